@@ -1,0 +1,149 @@
+"""The step-level engine: add and abort requests, and step() the continuous batch one forward at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_runtime.attention.backend import make_attention_backend
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.engine_stats import EngineStats
+from gpu_runtime.kv_cache.kv_pool import KVPool, kv_budget_bytes
+from gpu_runtime.kv_cache.manager import KVCacheManager
+from gpu_runtime.model.config import load_model_config
+from gpu_runtime.model.loader import load_model
+from gpu_runtime.model_runner import ModelRunner
+from gpu_runtime.outputs import StepOutput
+from gpu_runtime.sampler import Sampler
+from gpu_runtime.sampling_params import SamplingParams
+from gpu_runtime.scheduler import Scheduler, SchedulerConfig
+from gpu_runtime.sequence import Sequence, SequenceStatus
+from gpu_runtime.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Owns one model, its KV pool and its scheduler. Not thread-safe: one thread drives it."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = Path(config.model) if config.model else ensure_default_model()
+        self.model_name = config.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
+        self.model_config = load_model_config(model_dir)
+        if config.max_model_len:
+            self.model_config = dataclasses.replace(
+                self.model_config, max_model_len=min(config.max_model_len, self.model_config.max_model_len)
+            )
+        self.tokenizer = Tokenizer(model_dir)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        backend = make_attention_backend(config.attention_backend)
+        model = load_model(model_dir, self.model_config, backend, self.dtype, self.device)
+        budget = kv_budget_bytes(self.device, config.kv_cache_bytes, config.gpu_memory_utilization)
+        pool = KVPool.from_budget(self.model_config, budget, config.page_size, self.dtype, self.device)
+        self.kv = KVCacheManager(pool.num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling), self.kv
+        )
+        self.runner = ModelRunner(model, pool, self.device)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Queues a request; raises ValueError naming the field if it can never be served."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_model_len=self.model_config.max_model_len,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            generator=generator,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        max_len = self.model_config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate in the context of {max_len}"
+            )
+        longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
+        if not self.kv.fits_pool(longest):
+            raise ValueError(
+                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.pages_for(longest)} KV "
+                f"pages, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
+            )
+
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        """Drops a request wherever it is and frees its pages; returns its final output, or None if unknown."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._step_output(seq, [], None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedules, runs one forward, samples, and evicts finished sequences; returns what changed."""
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        inputs = self.runner.prepare(scheduled)
+        self.stats.observe_kv(self.kv, inputs.sequences, scheduled.num_tokens)
+        logits = self.runner.execute(inputs)
+        tokens, logprobs = self.sampler(logits, inputs.sequences)
+        outputs = []
+        for seq, token, logprob in zip(inputs.sequences, tokens, logprobs, strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.append_token(token, logprob)
+            if seq.finish_reason is not None:
+                self._requests.pop(seq.request_id, None)
+                self.scheduler.finish(seq, seq.finish_reason)
+            outputs.append(self._step_output(seq, [token], [logprob] if logprob else None))
+        self.stats.observe_step(scheduled, time.perf_counter() - started, self.runner.forward_seconds)
+        return outputs
+
+    def _step_output(self, seq: Sequence, new_tokens: list[int], new_logprobs) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
+            finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )

@@ -1,0 +1,146 @@
+"""Reads a Hugging Face config.json (and generation_config.json) into one frozen ModelConfig."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` is "default" or "llama3"."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, whatever architecture name its checkpoint carries."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V that one cached token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _architecture_of(raw: dict[str, Any]) -> str:
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    model_type = raw.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES.values():
+        return model_type
+    raise ValueError(
+        f"config.json: architectures={names!r} model_type={model_type!r} is not supported; "
+        f"tokend serves {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope_of(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json is authoritative (Llama 3 lists several stop ids there).
+    value = generation.get("eos_token_id", raw.get("eos_token_id"))
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _max_model_len(raw: dict[str, Any], architecture: str) -> int:
+    max_len = int(raw.get("max_position_embeddings", 2048))
+    # tokend has no sliding-window attention; capping the context at the window keeps outputs exact.
+    window = raw.get("sliding_window")
+    uses_window = architecture == "mistral" or raw.get("use_sliding_window", False)
+    if uses_window and window:
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parses `model_dir`/config.json and generation_config.json; raises ValueError naming a bad key."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model: {model_dir} has no config.json")
+    raw = _read_json(config_path)
+    generation = _read_json(model_dir / "generation_config.json")
+    architecture = _architecture_of(raw)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported (silu)")
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    qkv_bias = architecture == "qwen2" or bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_rope_of(raw),
+        max_model_len=_max_model_len(raw, architecture),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        # Qwen2 has bias on q/k/v only; Llama's attention_bias also covers o_proj.
+        o_bias=architecture != "qwen2" and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        eos_token_ids=_eos_ids(raw, generation),
+        bos_token_id=raw.get("bos_token_id"),
+    )

@@ -1,0 +1,120 @@
+"""Builds a LlamaForCausalLM and fills it from a checkpoint's *.safetensors files (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gpu_runtime.attention.backend import AttentionBackend
+from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.llama import LlamaForCausalLM
+
+# transformers name fragment -> (our fused parameter, which shard of it)
+_FUSED_SHARDS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names, else every *.safetensors file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {model_dir} has no *.safetensors weights")
+    return files
+
+
+def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    """Returns the model in eval mode on `device`, every parameter filled from the checkpoint."""
+    with torch.device(device):
+        model = LlamaForCausalLM(config, backend, dtype).to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in iterate_checkpoint(Path(model_dir)):
+        target = _copy_into(model, params, name, tensor)
+        if target is not None:
+            loaded.add(target)
+    missing = _expected_pieces(params, config) - loaded
+    if missing:
+        raise ValueError(f"model: checkpoint {model_dir} lacks weights for {sorted(missing)[:5]}")
+    return model.eval()
+
+
+def _expected_pieces(params: dict, config: ModelConfig) -> set[str]:
+    """Every piece the checkpoint must supply: a parameter's name, or `name[shard]` for fused ones."""
+    pieces = set()
+    for name in params:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        num_shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
+        pieces.update([f"{name}[{shard}]" for shard in range(num_shards)] if num_shards else [name])
+    return pieces
+
+
+def _copy_into(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
+    """Copies one checkpoint tensor into its (possibly fused) parameter; returns the piece it filled."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # recomputed from config.json
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None
+    match = _LAYER_NAME.match(name)
+    if match is None:
+        target = name.removeprefix("model.")
+        _checked_copy(params, target, tensor, name)
+        return target
+    layer, module, kind = match.groups()
+    if module not in _FUSED_SHARDS:
+        target = f"layers.{layer}.{module}.{kind}"
+        _checked_copy(params, target, tensor, name)
+        return target
+    fused, shard = _FUSED_SHARDS[module]
+    target = f"layers.{layer}.{fused}.{kind}"
+    offset = _shard_offset(model.config, fused, shard)
+    if target not in params:
+        raise ValueError(f"model: unexpected checkpoint tensor {name!r}")
+    with torch.no_grad():
+        params[target].data[offset : offset + tensor.shape[0]].copy_(tensor)
+    return f"{target}[{shard}]"
+
+
+def _shard_offset(config: ModelConfig, fused: str, shard: int) -> int:
+    if fused.endswith("gate_up_proj"):
+        return shard * config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    return (0, q_size, q_size + kv_size)[shard]
+
+
+def _checked_copy(params: dict, target: str, tensor: torch.Tensor, source: str) -> None:
+    if target not in params:
+        raise ValueError(f"model: unexpected checkpoint tensor {source!r}")
+    if params[target].shape != tensor.shape:
+        raise ValueError(f"model: {source!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
+    with torch.no_grad():
+        params[target].data.copy_(tensor)

@@ -1,0 +1,72 @@
+"""A request inside the engine: its tokens, its pages, and where it is in its life."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_runtime.outputs import Logprob
+from gpu_runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for admission (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds pages and is scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG, so a seed's tokens ignore batch-mates
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without copying the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def append_token(self, token_id: int, logprob: Logprob | None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        self.finish_reason = self._finish_reason(token_id)
+
+    def _finish_reason(self, token_id: int) -> str | None:
+        if token_id in self.params.stop_token_ids:
+            return "stop"
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,27 @@
+"""The model's tokenizer (tokenizer.json through the `tokenizers` library)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    """Text to token ids and back, with the special tokens the checkpoint's post-processor adds."""
+
+    def __init__(self, model_dir: str | Path):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"model: {model_dir} has no tokenizer.json")
+        self._tokenizer = _HFTokenizer.from_file(str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)

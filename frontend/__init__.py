@@ -1,0 +1,1 @@
+"""tokend's frontend process: the gRPC server and the HTTP/SSE gateway (built in the daemon issue)."""

@@ -1,0 +1,55 @@
+"""Shared fixtures: a private model cache, and transformers-written checkpoints with reference outputs."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
+
+# Every test run writes the embedded default model into its own cache, never the user's.
+os.environ.setdefault("TOKEND_CACHE_DIR", tempfile.mkdtemp(prefix="tokend-test-cache-"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+NUM_REFERENCE_TOKENS = 48
+
+
+def random_prompts(count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def transformers_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """transformers' own generate(do_sample=False), one prompt at a time: the reference outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly num_tokens, as ignore_eos does
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                do_sample=False,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="session", params=["llama-gqa", "qwen2"])
+def reference_case(request, tmp_path_factory):
+    """(checkpoint dir, 16 prompts of 1-300 tokens, transformers' greedy continuations)."""
+    spec = {"llama-gqa": LLAMA_GQA, "qwen2": QWEN2}[request.param]
+    model_dir = write_checkpoint(tmp_path_factory.mktemp(request.param), spec)
+    prompts = random_prompts(16, 1, 300, seed=1)
+    return model_dir, prompts, transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA_GQA)

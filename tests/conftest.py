@@ -18,6 +18,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 NUM_REFERENCE_TOKENS = 48
 
 
+def kv_bytes_for(model_dir, page_size: int, num_pages: int) -> int:
+    """The kv_cache_bytes budget that buys exactly `num_pages` pages of float32 K/V for this checkpoint."""
+    from gpu_runtime.kv_cache.kv_pool import page_bytes
+    from gpu_runtime.model.config import load_model_config
+
+    return num_pages * page_bytes(load_model_config(model_dir), page_size, torch.float32)
+
+
 def random_prompts(count: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-from conftest import NUM_REFERENCE_TOKENS
+from conftest import NUM_REFERENCE_TOKENS, kv_bytes_for
 
 from gpu_runtime import LLM, EngineConfig, LLMEngine, SamplingParams
-from gpu_runtime.kv_cache.kv_pool import page_bytes
-from gpu_runtime.model.config import load_model_config
 
 GREEDY = SamplingParams(max_tokens=NUM_REFERENCE_TOKENS, temperature=0, ignore_eos=True)
 
@@ -64,8 +61,3 @@ def test_static_scheduling_gives_the_same_outputs(reference_case):
     llm = LLM(str(model_dir), max_num_seqs=6, scheduling="static")
     outputs = llm.generate(token_prompts(prompts), GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-
-
-def kv_bytes_for(model_dir, page_size: int, num_pages: int) -> int:
-    """The kv_cache_bytes budget that buys exactly `num_pages` pages for this checkpoint."""
-    return num_pages * page_bytes(load_model_config(model_dir), page_size, torch.float32)

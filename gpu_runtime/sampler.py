@@ -26,7 +26,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.params for seq in seqs]
         device = logits.device
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
         scaled = logits / temperatures[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             scaled = _apply_top_k_top_p(scaled, params)
@@ -69,7 +69,9 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params) -> torch.Tensor:
     device = scaled.device
     vocab = scaled.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    # Rows without a nucleus get an unreachable threshold: float rounding can bring the cumulative sum to
+    # 1.0 before the last token, and a row that asked for nothing must lose nothing.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)
     outside = ranks[None, :] >= top_k[:, None]

@@ -260,11 +260,6 @@ def test_release_then_reserve_again():
     assert manager.try_reserve(seq, 5) and len(seq.page_ids) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: free() is not atomic; when a later page in the list is over-freed, the earlier pages have "
-    "already been dropped (and put back on the free list) before ValueError is raised",
-)
 def test_rejected_free_changes_nothing():
     allocator = PageAllocator(4)
     a, b = allocator.allocate(2)

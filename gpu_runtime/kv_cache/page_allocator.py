@@ -48,10 +48,17 @@ class PageAllocator:
         self._ref_counts[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        """Drops one owner from each page; a page nobody owns goes back to the free list."""
+        """Drops one owner from each page; a page nobody owns goes back to the free list.
+
+        All or nothing: an over-free anywhere in `pages` raises before any page changes.
+        """
+        drops: dict[int, int] = {}
         for page in pages:
-            if self._ref_counts[page] <= 0:
+            drops[page] = drops.get(page, 0) + 1
+        for page, count in drops.items():
+            if self._ref_counts[page] < count:
                 raise ValueError(f"page {page} freed more often than it was owned")
+        for page in pages:
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
                 self._free.append(page)

@@ -30,7 +30,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"model: {model_dir} lacks the shards {missing} that its index lists")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: {model_dir} has no *.safetensors weights")
@@ -98,9 +102,18 @@ def _copy_into(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.T
     offset = _shard_offset(model.config, fused, shard)
     if target not in params:
         raise ValueError(f"model: unexpected checkpoint tensor {name!r}")
+    expected = (_shard_rows(model.config, fused, shard), *params[target].shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
     with torch.no_grad():
         params[target].data[offset : offset + tensor.shape[0]].copy_(tensor)
     return f"{target}[{shard}]"
+
+
+def _shard_rows(config: ModelConfig, fused: str, shard: int) -> int:
+    if fused.endswith("gate_up_proj"):
+        return config.intermediate_size
+    return (config.num_heads if shard == 0 else config.num_kv_heads) * config.head_dim
 
 
 def _shard_offset(config: ModelConfig, fused: str, shard: int) -> int:

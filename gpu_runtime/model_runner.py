@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_runtime.attention.metadata import AttentionMetadata, PrefillSpan
+from gpu_runtime.attention.metadata import AttentionMetadata, SequenceSpan
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.scheduler import SchedulerOutput
@@ -34,46 +34,24 @@ class ModelRunner:
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         page_size = self.pool.page_size
+        work = [(seq, 1) for seq in step.decodes] + [(w.seq, w.num_new_tokens) for w in step.prefills]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for seq in step.decodes:
-            position = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids_range(position, position + 1))
-            positions.append(position)
-            slots.append(seq.page_ids[position // page_size] * page_size + position % page_size)
         spans = []
-        for work in step.prefills:
-            seq, start = work.seq, work.seq.num_computed_tokens
-            end = start + work.num_new_tokens
-            spans.append(PrefillSpan(len(input_ids), work.num_new_tokens, end, self._tensor(seq.page_ids[: -(-end // page_size)])))
+        for seq, num_new in work:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            pages = seq.page_ids
+            spans.append(SequenceSpan(len(input_ids), num_new, end, self._tensor(pages[: -(-end // page_size)])))
             input_ids.extend(seq.token_ids_range(start, end))
             positions.extend(range(start, end))
-            slots.extend(seq.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
-        rows, row = [], 0
-        for seq_len in [1] * len(step.decodes) + [work.num_new_tokens for work in step.prefills]:
-            row += seq_len
-            rows.append(row - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(step.decodes),
-            prefills=tuple(spans),
-            **self._decode_tables(step.decodes),
-        )
-        sequences = step.decodes + [work.seq for work in step.prefills]
-        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(rows), sequences)
-
-    def _decode_tables(self, decodes: list[Sequence]) -> dict[str, torch.Tensor]:
-        page_size = self.pool.page_size
-        context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
-        max_pages = max((-(-n // page_size) for n in context_lens), default=0)
-        tables = [seq.page_ids[:max_pages] + [0] * (max_pages - len(seq.page_ids[:max_pages])) for seq in decodes]
-        key_positions = torch.arange(max_pages * page_size, device=self.device)
-        lens = self._tensor(context_lens)
-        return {
-            "decode_block_tables": self._tensor(tables).view(len(decodes), max_pages),
-            "decode_key_mask": (key_positions[None, :] < lens[:, None]).view(len(decodes), 1, 1, max_pages * page_size),
-        }
+            slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), spans=tuple(spans))
+        # Each sequence samples from the logits of its last new token.
+        logits_rows = [span.query_start + span.query_len - 1 for span in spans]
+        sequences = [seq for seq, _ in work]
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), sequences)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

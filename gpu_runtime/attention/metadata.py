@@ -8,8 +8,8 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillSpan:
-    """One sequence computing several tokens this step (a prompt, a prompt chunk, or a recompute)."""
+class SequenceSpan:
+    """One sequence's rows in the flattened batch: a decode (one query) or a prefill (a run of them)."""
 
     query_start: int  # first row of this sequence in the flattened token batch
     query_len: int  # new tokens computed this step
@@ -25,12 +25,9 @@ class PrefillSpan:
 class AttentionMetadata:
     """Built once per step and shared by every layer.
 
-    The flattened batch holds the decode tokens first (one per decoding sequence, rows
-    [0, num_decodes)), then each prefill span back to back, so no row is padding.
+    The flattened batch holds each sequence's new tokens back to back (decodes first, then prefills),
+    so no row is padding and no sequence's keys are padded to another's length.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot (page * page_size + offset) per new token
-    num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_pages] page ids, padded with page 0
-    decode_key_mask: torch.Tensor  # [num_decodes, 1, 1, max_pages * page_size], True where a key exists
-    prefills: tuple[PrefillSpan, ...]
+    spans: tuple[SequenceSpan, ...]

@@ -100,7 +100,10 @@ def _random_weights(config: dict) -> dict[str, torch.Tensor]:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * 0.05
 
-    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden), "model.norm.weight": torch.ones(hidden)}
+    weights = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         weights |= {

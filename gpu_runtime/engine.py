@@ -64,7 +64,7 @@ class LLMEngine:
         """Queues a request; raises ValueError naming the field if it can never be served."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -79,7 +79,7 @@ class LLMEngine:
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if len(prompt_token_ids) == 0:

@@ -15,6 +15,7 @@ class EngineStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     step_seconds: float = 0.0  # wall time inside step(), scheduling and sampling included
+    prefill_step_seconds: float = 0.0  # of which in steps that computed any prompt tokens
     forward_seconds: float = 0.0  # of which inside the model forward
     peak_used_pages: int = 0
     peak_kv_waste: float = 0.0  # share of allocated page slots holding no token, at the peak
@@ -34,5 +35,7 @@ class EngineStats:
         self.num_decode_tokens += len(scheduled.decodes)
         self.num_prefill_tokens += scheduled.num_tokens - len(scheduled.decodes)
         self.step_seconds += seconds
+        if scheduled.prefills:
+            self.prefill_step_seconds += seconds
         self.forward_seconds = total_forward_seconds
         self.num_preemptions += len(scheduled.preempted)

@@ -41,7 +41,7 @@ class LLM:
         params = self._params_per_prompt(prompts, sampling_params)
         requests = [(str(next(self._ids)), *self._tokenize(p)) for p in prompts]
         for (_, _, token_ids), p in zip(requests, params, strict=True):
-            self.engine._validate_prompt(token_ids, p)
+            self.engine.validate_request(token_ids, p)
         for (request_id, _, token_ids), p in zip(requests, params, strict=True):
             self.engine.add_request(request_id, token_ids, p)
         return self._run(requests, params, use_tqdm if use_tqdm is not None else len(requests) >= 32)

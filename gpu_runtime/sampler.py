@@ -53,13 +53,13 @@ class Sampler:
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         max_top = max(n or 0 for n in wanted)
-        top_values, top_ids = (logprobs.topk(max_top, dim=-1) if max_top else (None, None))
+        top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
         results: list[Logprob | None] = []
         for row, n in enumerate(wanted):
             if n is None:
                 results.append(None)
                 continue
-            top = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist())) if n else {}
+            top = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else {}
             results.append(Logprob(token_list[row], chosen[row], top))
         return results
 

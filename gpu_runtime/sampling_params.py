@@ -22,18 +22,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        _require(
+            _is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature
+        )
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
         _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _require(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
         _require(
             isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids", "a list of non-negative integers", self.stop_token_ids,
+            "stop_token_ids",
+            "a list of non-negative integers",
+            self.stop_token_ids,
         )
         _require(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs", "None or an integer in [0, 20]", self.logprobs,
+            "logprobs",
+            "None or an integer in [0, 20]",
+            self.logprobs,
         )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

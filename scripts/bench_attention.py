@@ -39,11 +39,13 @@ def measure(batch: int, generator: torch.Generator) -> dict:
     tables = torch.stack([torch.randperm(NUM_PAGES, generator=generator)[:max_pages] for _ in range(batch)])
     q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=generator)
     new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-    spans = tuple(
-        SequenceSpan(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)]) for i, n in enumerate(lengths)
+    spans = tuple(SequenceSpan(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)]) for i, n in enumerate(lengths))
+    slots = torch.tensor(
+        [
+            int(tables[i, (int(n) - 1) // PAGE_SIZE]) * PAGE_SIZE + (int(n) - 1) % PAGE_SIZE
+            for i, n in enumerate(lengths)
+        ]
     )
-    slots = torch.tensor([int(tables[i, (int(n) - 1) // PAGE_SIZE]) * PAGE_SIZE + (int(n) - 1) % PAGE_SIZE
-                          for i, n in enumerate(lengths)])
     meta = AttentionMetadata(slot_mapping=slots, spans=spans)
     backend = TorchPagedAttention()
 

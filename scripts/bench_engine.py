@@ -57,7 +57,12 @@ def long_tail_workload(num_requests: int, seed: int) -> list[tuple[list[int], in
     return requests
 
 
+def log(message: str) -> None:
+    print(f"[bench_engine] {message}", file=sys.stderr, flush=True)
+
+
 def run_tokend(model_dir: Path, requests, batch_size: int, scheduling: str) -> dict:
+    log(f"tokend {scheduling} batching, batch size {batch_size}")
     llm = LLM(str(model_dir), max_num_seqs=batch_size, scheduling=scheduling, kv_cache_bytes=2 << 30)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     llm.engine.stats.__init__()
@@ -75,6 +80,9 @@ def run_tokend(model_dir: Path, requests, batch_size: int, scheduling: str) -> d
         "output_tokens": generated,
         "output_tokens_per_s": round(generated / seconds, 1),
         "engine_efficiency": round(stats.forward_seconds / seconds, 4),
+        # Steps with any prompt tokens cost the same prefill work in every mode; the rest is pure decode.
+        "prefill_step_seconds": round(stats.prefill_step_seconds, 3),
+        "decode_only_seconds": round(stats.step_seconds - stats.prefill_step_seconds, 3),
         "peak_kv_waste": round(stats.peak_kv_waste, 4),
         "peak_used_pages": stats.peak_used_pages,
         "steps": stats.num_steps,
@@ -82,10 +90,36 @@ def run_tokend(model_dir: Path, requests, batch_size: int, scheduling: str) -> d
     }
 
 
+def decode_step_ms_by_batch(model_dir: Path, batch_sizes=(1, 4, 16), context: int = 300) -> dict[str, float]:
+    """Milliseconds per decode step at each batch size: how a step's cost grows with the batch.
+
+    On a GPU a decode step costs about the same at batch 1 and 16, which is what makes a static batch's
+    shrinking tail expensive; on a 2-core CPU it does not, and this table shows by how much.
+    """
+    llm = LLM(str(model_dir), max_num_seqs=max(batch_sizes), kv_cache_bytes=1 << 30)
+    engine = llm.engine
+    result = {}
+    for batch in batch_sizes:
+        for i in range(batch):
+            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            engine.add_request(f"{batch}-{i}", [(7 * i + j) % 256 for j in range(context)], params)
+        engine.step()  # the prefill
+        for _ in range(3):
+            engine.step()
+        started = time.perf_counter()
+        for _ in range(20):
+            engine.step()
+        result[str(batch)] = round((time.perf_counter() - started) / 20 * 1e3, 2)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return result
+
+
 def run_transformers(model_dir: Path, requests, batch_size: int) -> dict:
     """transformers generate in static batches: left-padded prompts, each batch runs to its longest output."""
     from transformers import AutoModelForCausalLM
 
+    log(f"transformers generate, static batches of {batch_size}")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # ignore_eos
     model.generation_config.pad_token_id = 0
@@ -128,6 +162,7 @@ def main() -> None:
             },
             "continuous": run_tokend(model_dir, requests, args.batch_size, "continuous"),
             "static": run_tokend(model_dir, requests, args.batch_size, "static"),
+            "decode_step_ms_by_batch": decode_step_ms_by_batch(model_dir),
         }
         if not args.skip_transformers:
             result["transformers_static"] = run_transformers(model_dir, requests, args.batch_size)

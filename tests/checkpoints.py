@@ -38,7 +38,8 @@ def write_checkpoint(directory: Path, spec: dict, seed: int = 0, **overrides) ->
 
     spec = {**spec, **overrides}
     kind = spec.pop("kind")
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[kind]
     config = config_class(
         vocab_size=VOCAB_SIZE,
         hidden_size=spec.pop("hidden_size", 64),

@@ -8,7 +8,6 @@ import tempfile
 
 import pytest
 import torch
-
 from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
 
 # Every test run writes the embedded default model into its own cache, never the user's.
@@ -42,7 +41,9 @@ def transformers_greedy(model_dir, prompts: list[list[int]], num_tokens: int) ->
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=num_tokens,
                 do_sample=False,
             )
             outputs.append(out[0, len(prompt) :].tolist())

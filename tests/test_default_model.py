@@ -22,7 +22,11 @@ def test_written_once_into_the_cache_dir_with_the_same_weights_every_time(tmp_pa
     first = ensure_default_model()
     assert first.is_relative_to(tmp_path / "a")
     assert {p.name for p in first.iterdir()} >= {
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
     }
     monkeypatch.setenv("TOKEND_CACHE_DIR", str(tmp_path / "b"))
     second = ensure_default_model()
@@ -34,7 +38,8 @@ def test_llm_without_a_model_serves_the_default_and_matches_transformers():
     llm = LLM()
     assert llm.engine.model_name == DEFAULT_MODEL_NAME
     prompts = random_prompts(4, 1, 40, seed=7)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(ensure_default_model(), prompts, 16)
 
 

@@ -44,7 +44,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
 
 

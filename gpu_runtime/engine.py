@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from gpu_runtime.engine_config import EngineConfig
-from gpu_runtime.engine_stats import EngineStats
+from gpu_runtime.engine_stats import EngineSnapshot, EngineStats
 from gpu_runtime.kv_cache.kv_pool import KVPool, kv_budget_bytes
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.model.config import load_model_config
@@ -21,7 +22,7 @@ from gpu_runtime.outputs import StepOutput
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.sampling_params import SamplingParams
 from gpu_runtime.scheduler import Scheduler, SchedulerConfig
-from gpu_runtime.sequence import Sequence, SequenceStatus
+from gpu_runtime.sequence import Priority, Sequence, SequenceStatus
 from gpu_runtime.tokenizer import Tokenizer
 
 
@@ -44,14 +45,25 @@ class LLMEngine:
         model = load_model(model_dir, self.model_config, backend, self.dtype, self.device)
         budget = kv_budget_bytes(self.device, config.kv_cache_bytes, config.gpu_memory_utilization)
         pool = KVPool.from_budget(self.model_config, budget, config.page_size, self.dtype, self.device)
-        self.kv = KVCacheManager(pool.num_pages, config.page_size)
+        # The salt keeps one model's cached pages from ever matching another's.
+        salt = f"{self.model_name}:{model_dir.resolve()}".encode()
+        self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling), self.kv
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                scheduling=config.scheduling,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                ttft_slo_ms=config.ttft_slo_ms,
+                itl_slo_ms=config.itl_slo_ms,
+            ),
+            self.kv,
         )
         self.runner = ModelRunner(model, pool, self.device)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -60,6 +72,7 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> None:
         """Queues a request; raises ValueError naming the field if it can never be served."""
         if request_id in self._requests:
@@ -75,6 +88,8 @@ class LLMEngine:
             max_model_len=self.model_config.max_model_len,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             generator=generator,
+            priority=Priority(priority),
+            arrival_order=next(self._arrivals),
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -106,6 +121,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        self._check_when_idle()
         return self._step_output(seq, [], None)
 
     def has_unfinished_requests(self) -> bool:
@@ -118,25 +134,55 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Schedules, runs one forward, samples, and evicts finished sequences; returns what changed."""
+        """Schedules, runs one forward, samples, and evicts finished sequences; returns what changed.
+
+        A sequence whose prompt chunk did not reach its end yet computes but does not sample, so it
+        appears in the outputs only once its first token exists.
+        """
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         inputs = self.runner.prepare(scheduled)
-        self.stats.observe_kv(self.kv, inputs.sequences, scheduled.num_tokens)
         logits = self.runner.execute(inputs)
-        tokens, logprobs = self.sampler(logits, inputs.sequences)
-        outputs = []
-        for seq, token, logprob in zip(inputs.sequences, tokens, logprobs, strict=True):
-            seq.num_computed_tokens = seq.num_tokens
-            seq.append_token(token, logprob)
-            if seq.finish_reason is not None:
-                self._requests.pop(seq.request_id, None)
-                self.scheduler.finish(seq, seq.finish_reason)
-            outputs.append(self._step_output(seq, [token], [logprob] if logprob else None))
-        self.stats.observe_step(scheduled, time.perf_counter() - started, self.runner.forward_seconds)
+        tokens, logprobs = self.sampler(logits, inputs.sampling)
+        for seq in scheduled.decodes:
+            seq.num_computed_tokens += 1
+        for work in scheduled.prefills:
+            work.seq.num_computed_tokens += work.num_new_tokens
+        for seq in itertools.chain(scheduled.decodes, (work.seq for work in scheduled.prefills)):
+            self.kv.commit_full_pages(seq)
+        self.stats.observe_kv(self.kv, self.scheduler.running)
+        outputs = [
+            self._append_sampled(seq, token, logprob)
+            for seq, token, logprob in zip(inputs.sampling, tokens, logprobs, strict=True)
+        ]
+        seconds = time.perf_counter() - started
+        self.scheduler.policy.model.observe(scheduled.num_tokens, scheduled.num_seqs, seconds)
+        self.stats.observe_step(scheduled, seconds, self.runner.forward_seconds)
+        self._check_when_idle()
         return outputs
+
+    def _append_sampled(self, seq: Sequence, token: int, logprob) -> StepOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.append_token(token, logprob)
+        if seq.finish_reason is not None:
+            self._requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, seq.finish_reason)
+        return self._step_output(seq, [token], [logprob] if logprob else None)
+
+    def _check_when_idle(self) -> None:
+        if self.config.debug_checks and not self.scheduler.has_unfinished():
+            self.check_integrity()
+
+    def check_integrity(self) -> None:
+        """Asserts the page pool's invariants against every live sequence (AssertionError if broken)."""
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.waiting)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state in a few numbers, cheap enough to read at every step."""
+        return EngineSnapshot.of(self)
 
     def _step_output(self, seq: Sequence, new_tokens: list[int], new_logprobs) -> StepOutput:
         return StepOutput(
@@ -146,4 +192,5 @@ class LLMEngine:
             finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
         )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,13 +23,19 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # that share
     max_model_len: int | None = None  # caps the checkpoint's context length
     scheduling: str = "continuous"  # "static" exists only as the benchmark baseline
+    enable_prefix_caching: bool = True  # requests sharing a prefix share its cached pages
+    enable_chunked_prefill: bool = True  # long prompts are split across steps, decodes go first
+    ttft_slo_ms: float | None = None  # time-to-first-token target the batch depth is held to
+    itl_slo_ms: float | None = None  # inter-token latency target each step's token budget is held to
     attention_backend: str = "torch"
+    # Check the page pool's invariants whenever the engine goes idle (TOKEND_DEBUG=1 turns it on).
+    debug_checks: bool = field(default_factory=lambda: os.environ.get("TOKEND_DEBUG") == "1")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size: must be >= 1, got {self.page_size}")
+        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size: must be a power of two, got {self.page_size!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes: must be positive, got {self.kv_cache_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -19,8 +19,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # the last row of each sequence, in `sequences` order
-    sequences: list[Sequence]  # decodes first, then prefills: the order the logits come in
+    logits_rows: torch.Tensor  # the last row of each sampling sequence, in `sampling` order
+    sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
 
 
 class ModelRunner:
@@ -39,6 +39,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         spans = []
+        logits_rows: list[int] = []
+        sampling: list[Sequence] = []
         for seq, num_new in work:
             start = seq.num_computed_tokens
             end = start + num_new
@@ -47,11 +49,11 @@ class ModelRunner:
             input_ids.extend(seq.token_ids_range(start, end))
             positions.extend(range(start, end))
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+            if end == seq.num_tokens:  # its last token is in: it samples (a mid-prompt chunk does not)
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(seq)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), spans=tuple(spans))
-        # Each sequence samples from the logits of its last new token.
-        logits_rows = [span.query_start + span.query_len - 1 for span in spans]
-        sequences = [seq for seq, _ in work]
-        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), sequences)
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), sampling)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -30,6 +30,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,7 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
 
     @property
     def finished(self) -> bool:

@@ -1,11 +1,15 @@
-"""Continuous batching: each step runs every decode, then admits waiting requests while pages allow."""
+"""Continuous batching: each step runs the decodes, then prefill chunks, then admits waiting requests."""
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
+import math
+import time
 from dataclasses import dataclass, field
 
 from gpu_runtime.kv_cache.manager import KVCacheManager
+from gpu_runtime.latency import LatencyPolicy, LatencyTargets, StepPlan
 from gpu_runtime.sequence import Sequence, SequenceStatus
 
 
@@ -14,29 +18,39 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in the running batch at most
     max_num_batched_tokens: int = 4096  # tokens one forward computes at most
     scheduling: str = "continuous"  # or "static": a batch is admitted only once the last one has finished
+    enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep flowing
+    ttft_slo_ms: float | None = None  # hold the batch depth so a new prompt's first token comes this fast
+    itl_slo_ms: float | None = None  # hold each step's token budget so running streams keep this pace
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot carry one token for each of "
+                f"max_num_seqs={self.max_num_seqs} sequences"
+            )
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling: must be 'continuous' or 'static', got {self.scheduling!r}")
+        LatencyTargets(self.ttft_slo_ms, self.itl_slo_ms)  # validates both
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillWork:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # may be a chunk: the rest of the prompt follows in later steps
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes: one token per decode, a run of tokens per prefill."""
+    """What one step computes: one token per decode, a run of prompt tokens per prefill."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -46,71 +60,136 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(work.num_new_tokens for work in self.prefills)
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    def tokens_of(self, seq: Sequence) -> int:
+        if seq in self.decodes:
+            return 1
+        return next((work.num_new_tokens for work in self.prefills if work.seq is seq), 0)
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.decodes:
+            self.decodes.remove(seq)
+        self.prefills = [work for work in self.prefills if work.seq is not seq]
+
 
 class Scheduler:
-    """Owns the waiting queue and the running batch. Running is kept in admission order, so the most
-    recently admitted sequence, the one preempted first, is always at its end."""
+    """Owns the waiting queue (ordered by priority, then arrival) and the running batch (in admission order).
+
+    When pages run out, the victim is the lowest-priority sequence, most recently admitted among those; it
+    is preempted by recompute: its pages are freed (their full pages stay in the prefix cache, so its own
+    prefix is usually found again) and it goes back to the waiting queue in its original place.
+    """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.policy = LatencyPolicy(
+            LatencyTargets(config.ttft_slo_ms, config.itl_slo_ms),
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            min_chunk=kv.page_size,
+        )
+        self._admissions = itertools.count()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
+
+    # -- one step ---------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self._schedule_running(out)
+        head_tokens = self.waiting[0].num_uncomputed_tokens if self.waiting else 0
+        out = SchedulerOutput(plan=self.policy.plan(len(self.running), head_tokens))
+        budget = self._schedule_running(out, out.plan.token_budget)
         if not out.preempted and self._may_admit():
-            self._admit_waiting(out, self.config.max_num_batched_tokens - len(out.decodes))
+            self._admit_waiting(out, budget, out.plan.max_running)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
-        index = 0
-        while index < len(self.running):
-            seq = self.running[index]
-            # Each running sequence needs a slot for the token it computes this step.
-            while not self.kv.try_reserve(seq, seq.num_tokens):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first, so a long prompt never stalls the streams; then the prompts still in prefill.
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.priority, s.admission_order))
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._tokens_to_schedule(seq.num_uncomputed_tokens, budget, out)
+            if num_new == 0:
+                continue
+            while not self.kv.try_reserve(seq, seq.num_computed_tokens + num_new):
+                victim = self._pick_victim(self.running)
+                budget += out.tokens_of(victim)
+                self._preempt(victim, out)
                 if victim is seq:
-                    return
-            out.decodes.append(seq)
-            index += 1
+                    break
+            else:
+                if num_new == 1 and seq.num_uncomputed_tokens == 1:
+                    out.decodes.append(seq)
+                else:
+                    out.prefills.append(PrefillWork(seq, num_new))
+                budget -= num_new
+        return budget
+
+    def _tokens_to_schedule(self, num_uncomputed: int, budget: int, out: SchedulerOutput) -> int:
+        """How much of a sequence's remaining work fits this step's budget (0: none of it)."""
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        if self.config.enable_chunked_prefill:
+            return max(budget, 0)
+        # Unchunked, a prompt larger than the budget runs alone rather than waiting forever.
+        return num_uncomputed if out.is_empty else 0
 
     def _may_admit(self) -> bool:
         return self.config.scheduling == "continuous" or not self.running
 
-    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, max_running: int) -> None:
         static = self.config.scheduling == "static"
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        depth = self.config.max_num_seqs if static else min(self.config.max_num_seqs, max_running)
+        while self.waiting and len(self.running) < depth:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
-            # Static batching prefills its whole batch at once; continuous keeps each step in budget,
-            # but a lone prompt larger than the budget still runs rather than waiting forever.
-            over_budget = num_new > token_budget and (out.prefills or out.decodes)
-            if (over_budget and not static) or not self.kv.try_reserve(seq, seq.num_tokens):
+            match = self.kv.find_cached_prefix(seq)
+            remaining = seq.num_tokens - match.num_tokens(self.kv.page_size)
+            # Static batching prefills its whole batch at once, whatever the budget.
+            num_new = remaining if static else self._tokens_to_schedule(remaining, budget, out)
+            if num_new == 0:
                 return
-            self.waiting.popleft()
+            total = seq.num_tokens - remaining + num_new
+            while not self.kv.try_admit(seq, match, total):
+                lower = [s for s in self.running if s.priority > seq.priority]
+                if not lower:
+                    return  # waits for pages, in its place at the head of the queue
+                victim = self._pick_victim(lower)  # a more urgent request displaces a less urgent one
+                budget += out.tokens_of(victim)
+                self._preempt(victim, out)
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
+            seq.admission_order = next(self._admissions)
             self.running.append(seq)
             out.prefills.append(PrefillWork(seq, num_new))
-            token_budget -= num_new
+            budget -= num_new
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Frees `seq`'s pages and requeues it at the front; it will be recomputed from its tokens."""
+    # -- preemption ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _pick_victim(candidates: list[Sequence]) -> Sequence:
+        return max(candidates, key=lambda s: (s.priority, s.admission_order))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Frees `seq`'s pages and requeues it; it will be recomputed, from its cached prefix if still there."""
+        out.drop(seq)
+        out.preempted.append(seq)
+        self.running.remove(seq)
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Removes a finished or aborted sequence from whichever queue holds it and frees its pages."""
@@ -121,3 +200,26 @@ class Scheduler:
         self.kv.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    # -- leading indicators ---------------------------------------------------------------------------------
+
+    def projected_ttft_seconds(self, now: float | None = None) -> dict[str, float]:
+        """For every waiting request, the projected seconds from its arrival to its first token.
+
+        The queue ahead of it (running prompts first, then waiting requests in order) is prefilled at the
+        step budget's spare capacity, at the step time the model predicts. Empty until the model is warm.
+        """
+        model = self.policy.model
+        if not model.is_warm or not self.waiting:
+            return {}
+        now = time.monotonic() if now is None else now
+        num_running = len(self.running)
+        budget = self.policy.token_budget(num_running + 1)
+        per_step = max(1, budget - num_running)
+        step_seconds = model.predict(budget, num_running + 1)
+        ahead = sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
+        projections = {}
+        for seq in self.waiting:
+            ahead += seq.num_uncomputed_tokens
+            projections[seq.request_id] = (now - seq.arrival_time) + math.ceil(ahead / per_step) * step_seconds
+        return projections

@@ -12,6 +12,13 @@ from gpu_runtime.outputs import Logprob
 from gpu_runtime.sampling_params import SamplingParams
 
 
+class Priority(enum.IntEnum):
+    """Lower is more urgent: interactive requests are admitted first and preempted last."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for admission (new, or preempted and to be recomputed)
     RUNNING = "running"  # holds pages and is scheduled every step
@@ -25,11 +32,17 @@ class Sequence:
     params: SamplingParams
     max_model_len: int
     eos_token_ids: frozenset[int]
+    priority: Priority = Priority.INTERACTIVE
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = 0  # ties in arrival_time are broken by the order add_request saw them
+    admission_order: int = 0  # when it last entered the running batch; the latest is preempted first
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
+    page_hashes: list[bytes] = field(default_factory=list)  # content hash of each full, computed page
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -46,6 +59,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def queue_key(self) -> tuple[int, float, int]:
+        """The waiting queue's order: priority, then arrival (so a preempted request goes back first)."""
+        return (self.priority, self.arrival_time, self.arrival_order)
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output, without copying the whole sequence."""

@@ -12,6 +12,8 @@ from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
 
 # Every test run writes the embedded default model into its own cache, never the user's.
 os.environ.setdefault("TOKEND_CACHE_DIR", tempfile.mkdtemp(prefix="tokend-test-cache-"))
+# Every engine in the tests checks its page pool's invariants whenever it goes idle.
+os.environ["TOKEND_DEBUG"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 NUM_REFERENCE_TOKENS = 48

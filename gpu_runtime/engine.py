@@ -15,6 +15,7 @@ from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.engine_stats import EngineSnapshot, EngineStats
 from gpu_runtime.kv_cache.kv_pool import KVPool, kv_budget_bytes
 from gpu_runtime.kv_cache.manager import KVCacheManager
+from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.model.config import load_model_config
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model_runner import ModelRunner
@@ -179,6 +180,14 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Asserts the page pool's invariants against every live sequence (AssertionError if broken)."""
         self.kv.check_integrity(self.scheduler.running + self.scheduler.waiting)
+
+    def export_prefix(self, token_ids: list[int]) -> PageExport:
+        """The K/V of the longest cached prefix of `token_ids`, as tensors plus page hashes."""
+        return export_pages(self.kv, self.runner.pool, self.kv.find_cached_prefix(token_ids))
+
+    def import_prefix(self, export: PageExport) -> int:
+        """Adds exported pages to this engine's prefix cache; returns how many were new here."""
+        return import_pages(self.kv, self.runner.pool, export)
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in a few numbers, cheap enough to read at every step."""

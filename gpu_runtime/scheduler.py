@@ -153,7 +153,8 @@ class Scheduler:
         depth = self.config.max_num_seqs if static else min(self.config.max_num_seqs, max_running)
         while self.waiting and len(self.running) < depth:
             seq = self.waiting[0]
-            match = self.kv.find_cached_prefix(seq)
+            # At least one token is left to compute: the step that computes it yields the logits.
+            match = self.kv.find_cached_prefix(seq.token_ids_range(0, seq.num_tokens), seq.num_tokens - 1)
             remaining = seq.num_tokens - match.num_tokens(self.kv.page_size)
             # Static batching prefills its whole batch at once, whatever the budget.
             num_new = remaining if static else self._tokens_to_schedule(remaining, budget, out)

@@ -70,17 +70,15 @@ class KVCacheManager:
 
     # -- admission ------------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, seq: Sequence) -> PrefixMatch:
-        """The cached pages `seq` (holding no pages yet) can start from; changes nothing.
-
-        At least one token is always left to compute, since the step that computes it yields the logits.
-        """
+    def find_cached_prefix(self, token_ids: list[int], max_tokens: int | None = None) -> PrefixMatch:
+        """The cached pages holding the longest prefix of `token_ids` (at most `max_tokens`); changes nothing."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], [])
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         pages, hashes, parent = [], [], b""
-        for index in range((seq.num_tokens - 1) // self.page_size):
+        for index in range(limit // self.page_size):
             start = index * self.page_size
-            content_hash = page_hash(parent, seq.token_ids_range(start, start + self.page_size), self.salt)
+            content_hash = page_hash(parent, token_ids[start : start + self.page_size], self.salt)
             page = self.allocator.lookup(content_hash)
             if page is None:
                 break

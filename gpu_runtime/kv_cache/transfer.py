@@ -1,0 +1,59 @@
+"""Page export and import: a sequence's cached pages out of one pool as tensors, and into another pool.
+
+This is the narrow seam the prefill/decode split will use: a prefill worker exports the full pages of a
+prompt; a decode worker imports them into its own prefix cache, so the request it then admits finds its
+prompt already computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.kv_cache.kv_pool import KVPool
+from gpu_runtime.kv_cache.manager import KVCacheManager, PrefixMatch
+
+
+@dataclass(frozen=True, slots=True)
+class PageExport:
+    page_size: int
+    page_hashes: list[bytes]  # chained content hashes, one per page, prefix order
+    keys: torch.Tensor  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    values: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_hashes)
+
+
+def export_pages(kv: KVCacheManager, pool: KVPool, match: PrefixMatch) -> PageExport:
+    """Copies out the cached pages of a prefix (find_cached_prefix's answer) to host memory."""
+    pages = torch.tensor(match.page_ids, dtype=torch.long, device=pool.layers[0][0].device)
+    keys = torch.stack([k.index_select(0, pages) for k, _ in pool.layers]).cpu()
+    values = torch.stack([v.index_select(0, pages) for _, v in pool.layers]).cpu()
+    return PageExport(kv.page_size, list(match.hashes), keys, values)
+
+
+def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
+    """Writes exported pages into this pool's prefix cache; returns how many pages it had to write.
+
+    Pages already cached here are skipped. Imported pages end up free and cached, so they cost nothing
+    until a request uses them and are evicted like any other cached page. Raises ValueError if the
+    export does not fit this pool (page size, or not enough free pages).
+    """
+    if export.page_size != kv.page_size:
+        raise ValueError(f"page_size: export has {export.page_size}, this pool {kv.page_size}")
+    missing = [i for i, h in enumerate(export.page_hashes) if kv.allocator.lookup(h) is None]
+    if not kv.allocator.can_allocate(len(missing)):
+        raise ValueError(f"pages: {len(missing)} to import, {kv.num_free_pages} free")
+    pages = kv.allocator.allocate(len(missing))
+    index = torch.tensor(missing, dtype=torch.long)
+    target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
+    for layer, (k, v) in enumerate(pool.layers):
+        k.index_copy_(0, target, export.keys[layer].index_select(0, index).to(k.device, k.dtype))
+        v.index_copy_(0, target, export.values[layer].index_select(0, index).to(v.device, v.dtype))
+    for page, i in zip(pages, missing, strict=True):
+        kv.allocator.register(page, export.page_hashes[i])
+    kv.allocator.free(pages[::-1])
+    return len(pages)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -142,8 +141,9 @@ class Scheduler:
             return num_uncomputed
         if self.config.enable_chunked_prefill:
             return max(budget, 0)
-        # Unchunked, a prompt larger than the budget runs alone rather than waiting forever.
-        return num_uncomputed if out.is_empty else 0
+        # Unchunked, a prompt larger than the budget runs as the step's only prefill rather than waiting
+        # forever (the decodes still run beside it).
+        return num_uncomputed if not out.prefills else 0
 
     def _may_admit(self) -> bool:
         return self.config.scheduling == "continuous" or not self.running
@@ -207,20 +207,26 @@ class Scheduler:
     def projected_ttft_seconds(self, now: float | None = None) -> dict[str, float]:
         """For every waiting request, the projected seconds from its arrival to its first token.
 
-        The queue ahead of it (running prompts first, then waiting requests in order) is prefilled at the
-        step budget's spare capacity, at the step time the model predicts. Empty until the model is warm.
+        The prompt tokens ahead of it (running prompts first, then the waiting requests before it, then its
+        own) are prefilled in steps that also carry every running decode: full steps at the token budget,
+        then one partial step, each as long as the step-time model predicts. Time a request may spend
+        waiting for a free slot or free pages is not foreseen. Empty until the model is warm.
         """
         model = self.policy.model
         if not model.is_warm or not self.waiting:
             return {}
         now = time.monotonic() if now is None else now
-        num_running = len(self.running)
-        budget = self.policy.token_budget(num_running + 1)
-        per_step = max(1, budget - num_running)
-        step_seconds = model.predict(budget, num_running + 1)
+        num_decodes = len(self.running)
+        budget = self.policy.token_budget(num_decodes + 1)
+        per_step = max(1, budget - num_decodes)
+        full_step_seconds = model.predict(budget, num_decodes + 1)
         ahead = sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
         projections = {}
         for seq in self.waiting:
             ahead += seq.num_uncomputed_tokens
-            projections[seq.request_id] = (now - seq.arrival_time) + math.ceil(ahead / per_step) * step_seconds
+            full_steps, rest = divmod(ahead, per_step)
+            seconds = full_steps * full_step_seconds
+            if rest:
+                seconds += model.predict(rest + num_decodes, num_decodes + 1)
+            projections[seq.request_id] = (now - seq.arrival_time) + seconds
         return projections

@@ -35,12 +35,13 @@ MODEL_SHAPE = dict(
 )
 
 
-def write_bench_model(directory: Path) -> int:
+def write_bench_model(directory: Path, **overrides) -> int:
     """Saves the random benchmark Llama with transformers; returns its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_SHAPE, bos_token_id=256, eos_token_id=257)).float()
+    shape = {**MODEL_SHAPE, **overrides}
+    model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=256, eos_token_id=257)).float()
     model.save_pretrained(directory)
     byte_level_tokenizer().save(str(directory / "tokenizer.json"))
     return sum(p.numel() for p in model.parameters())

@@ -111,18 +111,25 @@ def engine_for(model_dir: Path, **options) -> LLMEngine:
     return engine
 
 
-def prefix_repetition(model_dir: Path, quick: bool) -> dict:
-    """vLLM's prefix_repetition shape: 10 prefixes of 256 tokens, unique 256-token suffixes, 128 outputs."""
+def prefix_repetition(model_dir: Path, quick: bool, rate: float) -> dict:
+    """vLLM's prefix_repetition shape: 10 prefixes of 256 tokens, unique 256-token suffixes, 128 outputs.
+
+    Poisson arrivals at `rate` requests/s; time to first token is measured from each arrival.
+    """
     rng = random.Random(1)
     per_prefix = 4 if quick else 10  # vLLM's shape: num_prompts / num_prefixes requests per prefix
     prefixes = [tokens(rng, 256) for _ in range(10)]
     prompts = [p + tokens(rng, 256) for p in prefixes for _ in range(per_prefix)]
     rng.shuffle(prompts)
-    times = poisson_schedule(rng, len(prompts), rate=1.0)
+    times = poisson_schedule(rng, len(prompts), rate=rate)
     arrivals = [Arrival(t, f"r{i}", p, 128) for i, (t, p) in enumerate(zip(times, prompts, strict=True))]
-    result = {"requests": len(prompts), "unique_prompt_tokens_minimum": 10 * 256 + len(prompts) * 256}
+    result = {
+        "requests": len(prompts),
+        "request_rate": rate,
+        "unique_prompt_tokens_minimum": 10 * 256 + len(prompts) * 256,
+    }
     for caching in (True, False):
-        log(f"prefix repetition, caching {'on' if caching else 'off'}")
+        log(f"prefix repetition at {rate} requests/s, caching {'on' if caching else 'off'}")
         engine = engine_for(model_dir, max_num_seqs=16, enable_prefix_caching=caching)
         computed_before = engine.stats.num_prefill_tokens
         records = simulate(engine, arrivals)
@@ -253,21 +260,29 @@ def ttft_projection(model_dir: Path, quick: bool) -> dict:
     }
 
 
+SECTIONS = ["prefix_repetition", "shared_prompt_pages", "paged_concurrency", "chunked_prefill", "ttft_projection"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
+    parser.add_argument(
+        "--prefix-rates", type=float, nargs="+", default=[1.0, 1.5], help="arrival rates for prefix repetition"
+    )
+    parser.add_argument("--only", choices=SECTIONS, nargs="+", default=SECTIONS, help="run only these figures")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         write_bench_model(model_dir, max_position_embeddings=8192)
-        result = {
-            "prefix_repetition": prefix_repetition(model_dir, args.quick),
-            "shared_prompt_pages": shared_prompt_pages(model_dir),
-            "paged_concurrency": paged_concurrency(model_dir, args.quick),
-            "chunked_prefill": chunked_prefill(model_dir, args.quick),
-            "ttft_projection": ttft_projection(model_dir, args.quick),
+        sections = {
+            "prefix_repetition": lambda: [prefix_repetition(model_dir, args.quick, r) for r in args.prefix_rates],
+            "shared_prompt_pages": lambda: shared_prompt_pages(model_dir),
+            "paged_concurrency": lambda: paged_concurrency(model_dir, args.quick),
+            "chunked_prefill": lambda: chunked_prefill(model_dir, args.quick),
+            "ttft_projection": lambda: ttft_projection(model_dir, args.quick),
         }
+        result = {name: sections[name]() for name in args.only}
     text = json.dumps(result, indent=2)
     print(text)
     if args.json_out:

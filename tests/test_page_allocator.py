@@ -335,6 +335,16 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         self.waiting.append(seq)
         self._admit(seq, data)
 
+    @precondition(lambda self: len(self.running) + len(self.waiting) + 1 < MAX_SEQS)
+    @rule(prefix=st.integers(0, 2), suffixes=st.lists(tokens_st, min_size=2, max_size=2))
+    def burst_of_requests(self, prefix: int, suffixes: list[list[int]]) -> None:
+        """Two requests sharing a prefix queue up; the next engine step admits both, so both compute the
+        same pages at once (the second copy of each page stays unregistered)."""
+        for suffix in suffixes:
+            prompt = (self.prefixes[prefix % len(self.prefixes)] + suffix) or [0]
+            self.waiting.append(_seq(f"r{self.next_request}", prompt, max_tokens=4))
+            self.next_request += 1
+
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def admit_waiting(self, data) -> None:
@@ -619,7 +629,12 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_pages_hold_their_content(self) -> None:
-        for page, content_hash in self.hash_of.items():
+        """Every page the pool says holds some content (owned or free) really holds that K/V."""
+        for page in range(self.kv.num_pages):
+            content_hash = self.allocator.hash_of(page)
+            if content_hash is None:
+                continue
+            assert content_hash in self.hash_tokens, f"page {page} is registered under a hash nobody computed"
             tokens = self.hash_tokens[content_hash]
             expected = self.content.expected(tokens, len(tokens) // self.P - 1)
             assert self.content.read(page) == expected, f"cached page {page} lost the content its hash names"

@@ -58,6 +58,14 @@ def long_tail_workload(num_requests: int, seed: int) -> list[tuple[list[int], in
     return requests
 
 
+def emit_json(result: dict, path: Path | None) -> None:
+    """Prints the benchmark's result as JSON, and writes it to `path` too when one is given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        path.write_text(text + "\n")
+
+
 def log(message: str) -> None:
     print(f"[bench_engine] {message}", file=sys.stderr, flush=True)
 
@@ -172,10 +180,7 @@ def main() -> None:
     if "transformers_static" in result:
         hf = result["transformers_static"]["output_tokens_per_s"]
         result["ratios"]["continuous_over_transformers"] = round(continuous / hf, 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    emit_json(result, args.json_out)
 
 
 if __name__ == "__main__":

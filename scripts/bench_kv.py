@@ -9,7 +9,6 @@ time-to-first-token and inter-token latency are measured from arrival, not from 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine import MODEL_SHAPE, write_bench_model  # noqa: E402
+from bench_engine import MODEL_SHAPE, emit_json, write_bench_model  # noqa: E402
 
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
@@ -283,10 +282,7 @@ def main() -> None:
             "ttft_projection": lambda: ttft_projection(model_dir, args.quick),
         }
         result = {name: sections[name]() for name in args.only}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    emit_json(result, args.json_out)
 
 
 if __name__ == "__main__":

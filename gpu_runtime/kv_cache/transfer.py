@@ -44,16 +44,23 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
     """
     if export.page_size != kv.page_size:
         raise ValueError(f"page_size: export has {export.page_size}, this pool {kv.page_size}")
-    missing = [i for i, h in enumerate(export.page_hashes) if kv.allocator.lookup(h) is None]
-    if not kv.allocator.can_allocate(len(missing)):
+    allocator = kv.allocator
+    chain = [allocator.lookup(h) for h in export.page_hashes]  # None where this pool lacks the page
+    missing = [i for i, page in enumerate(chain) if page is None]
+    present = [page for page in chain if page is not None]
+    revived = sum(1 for page in present if allocator.is_evictable(page))
+    if len(missing) + revived > allocator.num_free_pages:
         raise ValueError(f"pages: {len(missing)} to import, {kv.num_free_pages} free")
-    pages = kv.allocator.allocate(len(missing))
+    for page in present:  # pinned while allocating, so making room cannot evict the chain's own pages
+        allocator.share(page)
+    pages = allocator.allocate(len(missing))
     index = torch.tensor(missing, dtype=torch.long)
     target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
     for layer, (k, v) in enumerate(pool.layers):
         k.index_copy_(0, target, export.keys[layer].index_select(0, index).to(k.device, k.dtype))
         v.index_copy_(0, target, export.values[layer].index_select(0, index).to(v.device, v.dtype))
     for page, i in zip(pages, missing, strict=True):
-        kv.allocator.register(page, export.page_hashes[i])
-    kv.allocator.free(pages[::-1])
+        allocator.register(page, export.page_hashes[i])
+        chain[i] = page
+    allocator.free(chain[::-1])  # tail first into the LRU, so the chain's head stays cached longest
     return len(pages)

@@ -34,7 +34,9 @@ MAX_SEQS = 5
 NUM_RAW_HOLDERS = 3
 SALT = b"model-a"
 
-tokens_st = st.lists(st.integers(0, VOCAB - 1), max_size=10)
+tokens_st = st.lists(st.integers(0, VOCAB - 1), max_size=6)
+prefix_st = st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10)
+HISTORY = 4  # the last few conversations a new request may continue
 
 
 def _seq(name: str, prompt: list[int] | None = None, max_tokens: int = 16) -> Sequence:
@@ -109,7 +111,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         num_pages=st.integers(1, 12),
         page_size=st.integers(1, 4),
         caching=st.sampled_from([True, True, True, False]),
-        prefixes=st.lists(tokens_st, min_size=1, max_size=3),
+        prefixes=st.lists(prefix_st, min_size=1, max_size=3),
     )
     def setup(self, num_pages: int, page_size: int, caching: bool, prefixes: list[list[int]]) -> None:
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=caching, salt=SALT)
@@ -121,6 +123,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # hold no pages: not admitted yet, or preempted
         self.raw: list[list[int]] = [[] for _ in range(NUM_RAW_HOLDERS)]
+        self.history: list[list[int]] = []  # prompt + outputs of requests that ended or were preempted
         self.next_request = 0
         self.samples = 0
         # The reference model of the allocator: registered hashes, and cached free pages, oldest first.
@@ -166,6 +169,11 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             ],
             [list(r) for r in self.raw],
         )
+
+    def _base(self, index: int) -> list[int]:
+        """A shared system prompt, or an earlier conversation (prompt + outputs) that a follow-up continues."""
+        bases = self.prefixes + self.history[-HISTORY:]
+        return list(bases[index % len(bases)])
 
     def _chain(self, tokens: list[int], num_pages: int) -> list[bytes]:
         hashes = _chain(tokens, self.P, num_pages)
@@ -214,6 +222,11 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
 
     def _check_match(self, tokens: list[int], max_tokens: int | None, match: PrefixMatch) -> None:
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        # First what matters most: every page served holds exactly the K/V of these tokens.
+        for i, page in enumerate(match.page_ids):
+            assert self.content.read(page) == self.content.expected(tokens, i), (
+                f"find_cached_prefix serves page {page} for page {i} of {tokens}, but it holds other K/V"
+            )
         pages, hashes = [], []
         if self.caching:
             for h in self._chain(tokens, limit // self.P):
@@ -223,14 +236,11 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
                 hashes.append(h)
         assert match.hashes == hashes and match.page_ids == pages, "find_cached_prefix: not the longest cached run"
         assert match.num_tokens(self.P) == len(pages) * self.P <= limit
-        for i, page in enumerate(match.page_ids):
-            assert self.content.read(page) == self.content.expected(tokens, i), (
-                f"find_cached_prefix serves page {page} for page {i} of {tokens}, but it holds other K/V"
-            )
 
     def _release(self, seq: Sequence) -> None:
         refs = self._refs()
         pages = list(seq.page_ids)
+        self.history.append(seq.prompt_token_ids + seq.output_token_ids)
         self.kv.release(seq)
         assert seq.page_ids == [] and seq.page_hashes == [] and seq.num_computed_tokens == 0
         self._model_free(pages[::-1], refs)
@@ -327,21 +337,21 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
     # -- rules: the scheduler and engine --------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.running) + len(self.waiting) < MAX_SEQS)
-    @rule(prefix=st.integers(0, 2), suffix=tokens_st, max_tokens=st.integers(1, 6), data=st.data())
-    def new_request(self, prefix: int, suffix: list[int], max_tokens: int, data) -> None:
-        prompt = (self.prefixes[prefix % len(self.prefixes)] + suffix) or [0]
+    @rule(base=st.integers(0, 7), suffix=tokens_st, max_tokens=st.integers(1, 6), data=st.data())
+    def new_request(self, base: int, suffix: list[int], max_tokens: int, data) -> None:
+        prompt = (self._base(base) + suffix) or [0]
         seq = _seq(f"r{self.next_request}", prompt, max_tokens)
         self.next_request += 1
         self.waiting.append(seq)
         self._admit(seq, data)
 
     @precondition(lambda self: len(self.running) + len(self.waiting) + 1 < MAX_SEQS)
-    @rule(prefix=st.integers(0, 2), suffixes=st.lists(tokens_st, min_size=2, max_size=2))
-    def burst_of_requests(self, prefix: int, suffixes: list[list[int]]) -> None:
+    @rule(base=st.integers(0, 7), suffixes=st.lists(tokens_st, min_size=2, max_size=2))
+    def burst_of_requests(self, base: int, suffixes: list[list[int]]) -> None:
         """Two requests sharing a prefix queue up; the next engine step admits both, so both compute the
         same pages at once (the second copy of each page stays unregistered)."""
         for suffix in suffixes:
-            prompt = (self.prefixes[prefix % len(self.prefixes)] + suffix) or [0]
+            prompt = (self._base(base) + suffix) or [0]
             self.waiting.append(_seq(f"r{self.next_request}", prompt, max_tokens=4))
             self.next_request += 1
 
@@ -522,35 +532,45 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             self.allocator.free(pages)
         assert self._snapshot() == before, "a rejected free changed the pool"
 
-    @rule(prefix=st.integers(0, 2), suffix=tokens_st)
-    def import_prefix(self, prefix: int, suffix: list[int]) -> None:
+    @rule(base=st.integers(0, 7), suffix=tokens_st)
+    def import_prefix(self, base: int, suffix: list[int]) -> None:
         """Another worker's computed pages arrive (transfer.import_pages): they end up free and cached."""
-        tokens = self.prefixes[prefix % len(self.prefixes)] + suffix
+        tokens = self._base(base) + suffix
         num_full = len(tokens) // self.P
         chain = self._chain(tokens, num_full)
         ids = [self.content.expected(tokens, i) for i in range(num_full)]
         keys = torch.tensor(ids, dtype=torch.float64).reshape(1, num_full, self.P, 1, 1)
         export = PageExport(self.P, chain, keys, -keys)
-        missing = [i for i, h in enumerate(chain) if h not in self.page_of]
+        chain_pages = [self.page_of.get(h) for h in chain]
+        missing = [i for i, page in enumerate(chain_pages) if page is None]
+        present = [page for page in chain_pages if page is not None]
+        revived = [page for page in present if page in self.lru]
         before = self._snapshot()
-        if len(missing) > self.allocator.num_free_pages:
+        if len(missing) + len(revived) > self.allocator.num_free_pages:
             with pytest.raises(ValueError, match="pages"):
                 import_pages(self.kv, self.content.pool, export)
             assert self._snapshot() == before, "a rejected import changed the pool"
             return
         empties, refs = self._empties(), self._refs()
         assert import_pages(self.kv, self.content.pool, export) == len(missing)
+        # The pages already here were pinned while the missing ones were allocated, then all freed, tail first.
+        for page in present:
+            self._model_share(page)
         pages = [self.allocator.lookup(chain[i]) for i in missing]
         assert None not in pages, "an imported page is not found by its hash"
         self._model_allocated(pages, empties)
         for page, i in zip(pages, missing, strict=True):
             assert self._model_register(page, chain[i])
-            assert self.content.read(page) == ids[i]
-        self._model_free(pages[::-1], refs + Counter(pages))
+            chain_pages[i] = page
+        self._model_free(chain_pages[::-1], refs + Counter(chain_pages))
+        for i, page in enumerate(chain_pages):
+            assert self.content.read(page) == ids[i], f"imported page {i} (page {page}) holds other K/V"
+        if self.caching:
+            assert self.kv.find_cached_prefix(tokens).page_ids == chain_pages, "the imported prefix is not found"
 
-    @rule(prefix=st.integers(0, 2), suffix=tokens_st)
-    def export_prefix(self, prefix: int, suffix: list[int]) -> None:
-        tokens = self.prefixes[prefix % len(self.prefixes)] + suffix
+    @rule(base=st.integers(0, 7), suffix=tokens_st)
+    def export_prefix(self, base: int, suffix: list[int]) -> None:
+        tokens = self._base(base) + suffix
         before = self._snapshot()
         match = self.kv.find_cached_prefix(tokens)
         self._check_match(tokens, None, match)
@@ -822,23 +842,38 @@ def test_a_failed_try_admit_changes_nothing():
     kv.allocator.check_integrity([seq.page_ids, hog])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="import_pages allocates before pinning the export's already-cached pages, so it can evict them: "
-    "the chain's head is gone and the imported pages after it are unreachable",
-)
 def test_import_keeps_the_already_cached_part_of_the_prefix_it_imports():
-    kv = KVCacheManager(2, 1)
-    pool = _tiny_pool(2, 1)
+    """Regression (fixed in 470f139): making room for the missing pages once evicted the cached head."""
+    kv = KVCacheManager(3, 1)
+    pool = _tiny_pool(3, 1)
     busy = _seq("busy", [9, 9])
     assert kv.try_reserve(busy, 1)  # a running request holds one page
     tokens = [0, 1]
     chain = _chain(tokens, 1, 2, salt=b"")
-    (head,) = kv.allocator.allocate(1)  # the first page of the prefix is already cached here
+    head, other = kv.allocator.allocate(2)
+    kv.allocator.register(head, chain[0])  # the prefix's first page is already cached here...
+    kv.allocator.register(other, b"other content")
+    kv.allocator.free([head, other])  # ...and is the oldest cached page, the first to be evicted
+    keys = torch.ones(1, 2, 1, 1, 1, dtype=torch.float64)
+    assert import_pages(kv, pool, PageExport(1, chain, keys, -keys)) == 1  # only the second page was new
+    match = kv.find_cached_prefix(tokens)
+    assert match.page_ids[0] == head and len(match.page_ids) == 2, "the imported prefix is not found whole"
+    assert kv.allocator.lookup(b"other content") is None  # room was made from another cached page
+    kv.check_integrity([busy])
+
+
+def test_an_import_that_does_not_fit_without_evicting_its_own_head_is_refused():
+    kv = KVCacheManager(2, 1)
+    pool = _tiny_pool(2, 1)
+    busy = _seq("busy", [9, 9])
+    assert kv.try_reserve(busy, 1)
+    chain = _chain([0, 1], 1, 2, salt=b"")
+    (head,) = kv.allocator.allocate(1)
     kv.allocator.register(head, chain[0])
     kv.allocator.free([head])
     keys = torch.ones(1, 2, 1, 1, 1, dtype=torch.float64)
-    assert import_pages(kv, pool, PageExport(1, chain, keys, keys)) == 1  # only the second page was new
-    # The import meant the whole prefix to be cached now; it evicted the head it had skipped instead.
-    assert kv.find_cached_prefix(tokens).page_ids != [], "the imported prefix is not found"
-    assert len(kv.find_cached_prefix(tokens).page_ids) == 2
+    with pytest.raises(ValueError, match="pages"):
+        import_pages(kv, pool, PageExport(1, chain, keys, -keys))
+    assert kv.allocator.lookup(chain[0]) == head and kv.allocator.is_evictable(head)
+    assert kv.num_free_pages == 1 and kv.allocator.num_cached_pages == 1
+    kv.check_integrity([busy])

@@ -108,7 +108,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
     """Sequences go through the manager as the scheduler uses it; raw holders use the allocator directly."""
 
     @initialize(
-        num_pages=st.integers(1, 12),
+        num_pages=st.integers(1, 16),
         page_size=st.integers(1, 4),
         caching=st.sampled_from([True, True, True, False]),
         prefixes=st.lists(prefix_st, min_size=1, max_size=3),
@@ -457,16 +457,23 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.lru)
     @rule(holder=st.integers(0, NUM_RAW_HOLDERS - 1), data=st.data())
     def evict_by_allocating(self, holder: int, data) -> None:
-        """Takes more pages than are empty, so the oldest cached pages lose their content."""
+        """Takes more pages than are empty, so the oldest cached pages lose their content; a transient user
+        (a staging buffer) gives them back at once, a lasting one keeps them."""
         empties = len(self._empties())
         n = data.draw(st.integers(empties + 1, self.allocator.num_free_pages), label="pages")
         evictions = self.allocator.num_evictions
         evicted = [(p, self.hash_of[p]) for p in self.lru[: n - empties]]
+        kept = len(self.raw[holder])
         self._raw_allocate(holder, n)
         assert self.allocator.num_evictions == evictions + n - empties
         for page, content_hash in evicted:
             assert self.allocator.lookup(content_hash) is None, f"evicted page {page} is still found by its hash"
             assert self.allocator.hash_of(page) is None
+        if data.draw(st.booleans(), label="transient"):
+            pages, refs = self.raw[holder][kept:], self._refs()
+            self.allocator.free(pages)
+            self._model_free(pages, refs)
+            del self.raw[holder][kept:]
 
     @rule(now=st.integers(0, 2))
     def evict_all_cached(self, now: int) -> None:
@@ -761,6 +768,17 @@ def test_release_then_reserve_again():
     assert seq.page_ids == [] and seq.num_computed_tokens == 0
     assert manager.num_free_pages == 4
     assert manager.try_reserve(seq, 5) and len(seq.page_ids) == 2
+
+
+def test_a_failed_try_reserve_takes_no_page_even_when_some_are_free():
+    kv = KVCacheManager(4, 2)
+    seq = _seq("a", list(range(9)))
+    assert kv.try_reserve(seq, 3)  # two pages
+    pages = list(seq.page_ids)
+    assert not kv.try_reserve(seq, 9)  # three more needed, two free
+    assert seq.page_ids == pages and kv.num_free_pages == 2
+    assert kv.try_reserve(seq, 8) and len(seq.page_ids) == 4 and seq.page_ids[:2] == pages
+    kv.check_integrity([seq])
 
 
 def test_register_needs_an_owned_page_and_keeps_the_first_page_for_a_hash():

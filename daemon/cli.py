@@ -1,34 +1,46 @@
-"""The `tokend` command line: one subcommand per job (`generate` now; `serve` with the daemon issue)."""
+"""The `tokend` command line: `serve` runs the daemon, `generate` streams from it (or runs offline)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from daemon.config import add_serve_flags
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokend", description="tokend: an LLM serving daemon")
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="generate from prompts on the command line, offline")
-    generate.add_argument("prompts", nargs="+", help="one or more prompts, generated together in one batch")
-    generate.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: embedded)")
+    serve = commands.add_parser("serve", help="run the daemon: gRPC frontend plus one scheduler per GPU group")
+    add_serve_flags(serve)
+    generate = commands.add_parser("generate", help="stream a completion from a running daemon over gRPC")
+    generate.add_argument("prompts", nargs="+", help="prompts; with --offline, generated together in one batch")
+    generate.add_argument("--address", default="127.0.0.1:50051", help="the daemon's gRPC address")
+    generate.add_argument("--model", default=None, help="served model name (with --offline: a checkpoint directory)")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when present)")
-    generate.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: by device)")
+    generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    generate.add_argument("--timeout", type=float, default=300.0, help="seconds before the call is abandoned")
+    generate.add_argument("--offline", action="store_true", help="run the model in this process, no daemon")
+    generate.add_argument("--device", default="auto", help="with --offline: cpu, cuda, cuda:N")
+    generate.add_argument("--dtype", default="auto", help="with --offline: float32, bfloat16, float16")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from daemon.serve_command import run_serve
+
+        return run_serve(args)
     if args.command == "generate":
-        from daemon.generate_command import run_generate
+        from daemon.generate_command import run_generate, run_offline_generate
 
         try:
-            return run_generate(args)
+            return run_offline_generate(args) if args.offline else run_generate(args)
         except ValueError as error:  # bad input: say which field, no traceback
             print(f"tokend: {error}", file=sys.stderr)
             return 2

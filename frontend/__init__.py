@@ -1,1 +1,1 @@
-"""tokend's frontend process: the gRPC server and the HTTP/SSE gateway (built in the daemon issue)."""
+"""tokend's frontend process: the gRPC server (Generation, Admin, health) and its ZeroMQ link to the schedulers."""

@@ -1,18 +1,27 @@
-"""tokend's GPU runtime: the model, the paged KV cache, and the continuous-batching engine."""
+"""tokend's GPU runtime: the model, the paged KV cache, and the continuous-batching engine.
 
-from gpu_runtime.engine import LLMEngine
-from gpu_runtime.engine_config import EngineConfig
-from gpu_runtime.llm import LLM
-from gpu_runtime.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput
-from gpu_runtime.sampling_params import SamplingParams
+The names below load on first use, so that torch-free parts (the IPC messages, the tokenizer) can be
+imported by the frontend without pulling torch into its process.
+"""
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParams",
-    "StepOutput",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "gpu_runtime.llm",
+    "CompletionOutput": "gpu_runtime.outputs",
+    "EngineConfig": "gpu_runtime.engine_config",
+    "LLMEngine": "gpu_runtime.engine",
+    "Logprob": "gpu_runtime.outputs",
+    "RequestOutput": "gpu_runtime.outputs",
+    "SamplingParams": "gpu_runtime.sampling_params",
+    "StepOutput": "gpu_runtime.outputs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gpu_runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

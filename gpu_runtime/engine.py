@@ -33,6 +33,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = Path(config.model) if config.model else ensure_default_model()
+        self.model_dir = model_dir
         self.model_name = config.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
         self.model_config = load_model_config(model_dir)
         if config.max_model_len:
@@ -131,6 +132,9 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
 
     # -- the loop -------------------------------------------------------------------------------------
 

@@ -17,6 +17,11 @@ class Tokenizer:
         self._tokenizer = _HFTokenizer.from_file(str(path))
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` object itself (incremental decoding streams need it)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -10,6 +10,7 @@ stamp="$venv/.tokend-installed-${extras:-base}"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  "$venv/bin/python" "$root/scripts/gen_protos.py"  # a no-op unless protos/ changed
   exit 0
 fi
 if [ ! -x "$venv/bin/python" ]; then
@@ -19,6 +20,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 "$venv/bin/pip" install --quiet "torch==2.13.0"
+# The gRPC stubs exist before the install, so that it packages them (tokend.v1).
+"$venv/bin/pip" install --quiet "grpcio-tools>=1.62"
+"$venv/bin/python" "$root/scripts/gen_protos.py"
 spec="$root"
 [ -n "$extras" ] && spec="$root[$extras]"
 "$venv/bin/pip" install --quiet -e "$spec"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
 import torch
 from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
 
-# Every test run writes the embedded default model into its own cache, never the user's.
-os.environ.setdefault("TOKEND_CACHE_DIR", tempfile.mkdtemp(prefix="tokend-test-cache-"))
+# Every test run writes the embedded default model into its own cache, never the user's, and removes it after.
+if "TOKEND_CACHE_DIR" not in os.environ:
+    os.environ["TOKEND_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokend-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TOKEND_CACHE_DIR"], ignore_errors=True)
 # Every engine in the tests checks its page pool's invariants whenever it goes idle.
 os.environ["TOKEND_DEBUG"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

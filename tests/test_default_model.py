@@ -60,7 +60,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_prints_a_completion_per_prompt():
-    result = _cli("generate", "Hello", "Second prompt", "--max-tokens", "5")
+    result = _cli("generate", "--offline", "Hello", "Second prompt", "--max-tokens", "5")
     assert result.returncode == 0, result.stderr
     assert DEFAULT_MODEL_NAME in result.stdout
     assert result.stdout.count("finish_reason=length") == 2
@@ -68,6 +68,6 @@ def test_cli_generate_prints_a_completion_per_prompt():
 
 
 def test_cli_bad_value_names_the_field_without_a_traceback():
-    result = _cli("generate", "Hello", "--temperature", "-1")
+    result = _cli("generate", "--offline", "Hello", "--temperature", "-1")
     assert result.returncode == 2
     assert "temperature" in result.stderr and "Traceback" not in result.stderr

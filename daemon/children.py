@@ -1,0 +1,84 @@
+"""A supervised child process: how to start it, when it may restart, and how to stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_CONFIG_ERROR = 78  # a child that exits with this cannot be helped by a restart
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_STABLE_AFTER_S = 30.0  # a child up this long has recovered: its backoff starts over
+_MAX_BACKOFF_S = 30.0
+
+
+@dataclass(eq=False)
+class Child:
+    """One process the daemon keeps alive: started with `python -m <module> <spec JSON>`."""
+
+    name: str  # e.g. "frontend", "scheduler tokend-tiny-random/0"
+    module: str
+    spec_json: str
+    heartbeat_path: Path | None = None  # schedulers touch it while their loop runs
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    consecutive_failures: int = 0
+    restart_at: float | None = None  # when a crashed child is due to start again
+    num_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        env = dict(os.environ, **self.env)
+        # Children import this project's packages whatever the working directory or installation.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PROJECT_ROOT, env.get("PYTHONPATH")]))
+        if self.heartbeat_path is not None:
+            self.heartbeat_path.touch()
+        self.process = subprocess.Popen([sys.executable, "-m", self.module, self.spec_json], env=env)
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def poll(self) -> int | None:
+        """The exit code if the child has exited (it is reaped), else None."""
+        return self.process.poll() if self.process else None
+
+    def schedule_restart(self, now: float) -> float:
+        """Backs off 0.5 s, 1 s, 2 s ... up to 30 s between failures; returns the delay."""
+        if now - self.started_at >= _STABLE_AFTER_S:
+            self.consecutive_failures = 0
+        self.consecutive_failures += 1
+        delay = min(_MAX_BACKOFF_S, 0.5 * 2 ** (self.consecutive_failures - 1))
+        self.restart_at = now + delay
+        self.process = None
+        self.num_restarts += 1
+        return delay
+
+    def heartbeat_age(self, now_wall: float) -> float:
+        if self.heartbeat_path is None:
+            return 0.0
+        try:
+            return now_wall - self.heartbeat_path.stat().st_mtime
+        except FileNotFoundError:
+            return float("inf")
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after the timeout; always reaps."""
+        if self.process is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,25 @@
+"""`tokend serve`: reads the configuration and runs the supervisor until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from daemon.children import EXIT_CONFIG_ERROR
+from daemon.config import load_serve_config
+from daemon.logs import configure_logging
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_serve_config(args)
+    except (ValueError, TypeError) as error:
+        print(f"tokend serve: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    import setproctitle
+
+    from daemon.supervisor import Supervisor
+
+    setproctitle.setproctitle("tokend: serve")
+    log = configure_logging("daemon", config.log_level)
+    return Supervisor(config, log).run()

@@ -1,0 +1,184 @@
+"""The `tokend serve` process: spawns the frontend and one scheduler per GPU group, keeps them alive, drains.
+
+It never imports torch: a supervisor must stay small and start fast. Children die with it (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from daemon.children import EXIT_CONFIG_ERROR, Child
+from daemon.config import DEFAULT_MODEL_NAME, ServeConfig
+from daemon.systemd_notify import SystemdNotifier
+from frontend.spec import FrontendSpec, SchedulerAddress
+from gpu_runtime.worker.spec import WorkerSpec
+
+_TICK_S = 0.1
+_HEALTH_PROBE_EVERY_S = 0.25
+_MAX_CONSECUTIVE_FAILURES = 8  # then the daemon gives up and exits non-zero, for systemd to restart it
+EXIT_CANNOT_SERVE = 1
+
+
+class Supervisor:
+    def __init__(self, config: ServeConfig, log):
+        self.config = config
+        self.log = log
+        self.notifier = SystemdNotifier()
+        Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        # A private directory (mkdtemp makes it 0700): only the service user can reach the ipc sockets.
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokend-", dir=_systemd_runtime_dir()))
+        self.schedulers = self._scheduler_children()
+        self.frontend = self._frontend_child()
+        self._stop_requested = False
+        self._serving = False
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.schedulers, self.frontend]
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
+        self.log.info("starting", runtime_dir=str(self.runtime_dir), schedulers=[c.name for c in self.schedulers])
+        try:
+            for child in self.children:
+                child.start()
+            exit_code = self._supervise()
+        finally:
+            self._shut_down()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.log.info("stopped", exit_code=exit_code)
+        return exit_code
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    # -- the watch loop -------------------------------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        next_probe = next_watchdog = 0.0
+        while not self._stop_requested:
+            now = time.monotonic()
+            for child in self.children:
+                if child.process is None:
+                    if child.restart_at is not None and now >= child.restart_at:
+                        self.log.info("restarting", child=child.name, restarts=child.num_restarts)
+                        child.start()
+                    continue
+                code = child.poll()
+                if code is None:
+                    continue
+                if code == EXIT_CONFIG_ERROR or child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
+                    self.log.error("cannot_serve", child=child.name, exit_code=code)
+                    return EXIT_CANNOT_SERVE
+                delay = child.schedule_restart(now)
+                self.log.warning("child_exited", child=child.name, exit_code=code, restart_in_s=delay)
+            self._kill_stalled_schedulers()
+            if not self._serving and now >= next_probe:
+                next_probe = now + _HEALTH_PROBE_EVERY_S
+                if self._frontend_is_serving():
+                    self._serving = True
+                    self.notifier.ready()
+                    self.log.info("serving", grpc_port=self.config.grpc_port, metrics_port=self.config.metrics_port)
+            interval = self.notifier.watchdog_interval_s
+            if interval and now >= next_watchdog and self._schedulers_progressing():
+                next_watchdog = now + interval
+                self.notifier.watchdog()
+            time.sleep(_TICK_S)
+        return 0
+
+    def _kill_stalled_schedulers(self) -> None:
+        now_wall = time.time()
+        for child in self.schedulers:
+            if child.process is not None and child.heartbeat_age(now_wall) > self.config.stall_timeout:
+                self.log.error("scheduler_stalled", child=child.name, stalled_s=round(child.heartbeat_age(now_wall)))
+                child.process.kill()  # the loop above reaps it and restarts it
+
+    def _schedulers_progressing(self) -> bool:
+        """True while every scheduler loop has moved recently (a hung engine must not look alive to systemd)."""
+        now_wall = time.time()
+        return all(child.heartbeat_age(now_wall) <= self.config.stall_timeout for child in self.schedulers)
+
+    def _frontend_is_serving(self) -> bool:
+        import grpc  # only the supervisor's readiness probe needs it
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{self.config.grpc_port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    # -- shutdown -------------------------------------------------------------------------------------------
+
+    def _shut_down(self) -> None:
+        """Frontend first (it drains in-flight streams, which need the schedulers), then the schedulers."""
+        self.notifier.stopping()
+        self.log.info("draining", timeout_s=self.config.drain_timeout)
+        self.frontend.stop(timeout=self.config.drain_timeout + 10.0)
+        for child in self.schedulers:
+            child.signal(signal.SIGTERM)
+        for child in self.schedulers:
+            child.stop(timeout=10.0)
+
+    # -- children -------------------------------------------------------------------------------------------
+
+    def _served_models(self) -> list[tuple[str, str | None]]:
+        if not self.config.model:
+            return [(DEFAULT_MODEL_NAME, None)]
+        return [(self.config.served_model_name or Path(path).name, path) for path in self.config.model]
+
+    def _scheduler_children(self) -> list[Child]:
+        children = []
+        for model_index, (name, path) in enumerate(self._served_models()):
+            for group, device in enumerate(self.config.devices):
+                slot = f"{model_index}-{group}"
+                spec = WorkerSpec(
+                    worker_id=f"{name}/{group}",
+                    model_name=name,
+                    model_path=path,
+                    group=str(group),
+                    device=device,
+                    input_address=f"ipc://{self.runtime_dir}/scheduler-{slot}.ipc",
+                    output_address=f"ipc://{self.runtime_dir}/frontend.ipc",
+                    heartbeat_path=str(self.runtime_dir / f"scheduler-{slot}.alive"),
+                    engine_options=self.config.engine_options(),
+                    log_level=self.config.log_level,
+                )
+                children.append(
+                    Child(
+                        f"scheduler {spec.worker_id}",
+                        "gpu_runtime.worker",
+                        spec.to_json(),
+                        heartbeat_path=Path(spec.heartbeat_path),
+                    )
+                )
+        return children
+
+    def _frontend_child(self) -> Child:
+        addresses = []
+        for child in self.schedulers:
+            worker = WorkerSpec.from_json(child.spec_json)
+            addresses.append(SchedulerAddress(worker.worker_id, worker.model_name, worker.group, worker.input_address))
+        spec = FrontendSpec(
+            grpc_port=self.config.grpc_port,
+            metrics_port=self.config.metrics_port or None,
+            output_address=f"ipc://{self.runtime_dir}/frontend.ipc",
+            schedulers=addresses,
+            default_model=self._served_models()[0][0],
+            drain_timeout_s=self.config.drain_timeout,
+            log_level=self.config.log_level,
+        )
+        return Child("frontend", "frontend", spec.to_json())
+
+
+def _systemd_runtime_dir() -> str | None:
+    # systemd's RuntimeDirectory= sets $RUNTIME_DIRECTORY; elsewhere the system temporary directory.
+    value = os.environ.get("RUNTIME_DIRECTORY")
+    return value.split(":")[0] if value else None

@@ -1,0 +1,30 @@
+"""Entry point of the frontend process: `python -m frontend '<FrontendSpec JSON>'` (spawned by the daemon)."""
+
+from __future__ import annotations
+
+import sys
+
+import uvloop
+
+from daemon.child_process import become_child
+from daemon.logs import configure_logging
+from frontend.server import PortInUse, serve
+from frontend.spec import FrontendSpec
+
+EXIT_CONFIG_ERROR = 78  # EX_CONFIG: restarting cannot help
+
+
+def main(argv: list[str]) -> int:
+    spec = FrontendSpec.from_json(argv[1])
+    become_child("tokend: frontend")
+    log = configure_logging("frontend", spec.log_level)
+    try:
+        uvloop.run(serve(spec, log))
+    except PortInUse as error:
+        log.error("cannot_listen", error=str(error))
+        return EXIT_CONFIG_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

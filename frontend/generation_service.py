@@ -1,0 +1,163 @@
+"""tokend.v1.Generation: validate, route to a scheduler, and stream its tokens back as text chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+
+from frontend.lifecycle import Lifecycle
+from frontend.metrics import FrontendMetrics
+from frontend.models import ModelCatalog
+from frontend.request_stream import ChunkBuilder, FinalCounts
+from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
+from frontend.validation import RequestError, invalid, prepare
+from gpu_runtime.ipc.messages import AddRequest, RequestDelta
+from tokend.v1 import tokend_pb2 as pb
+from tokend.v1 import tokend_pb2_grpc as pb_grpc
+
+# How long a cancelled request's scheduler has to report its final counts before we stop waiting.
+_SETTLE_TIMEOUT_S = 10.0
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, link: SchedulerLink, models: ModelCatalog, lifecycle: Lifecycle, metrics: FrontendMetrics, log):
+        self._link = link
+        self._models = models
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._log = log
+        self._settling: set[asyncio.Task] = set()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived = time.monotonic()
+        try:
+            self._lifecycle.enter()
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        self._metrics.requests_in_flight.inc()
+        stream = None
+        try:
+            stream, builder = self._admit(request)
+            async for chunk in self._chunks(stream, builder, arrived):
+                yield chunk
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        finally:
+            self._metrics.requests_in_flight.dec()
+            self._lifecycle.leave()
+            if stream is not None:
+                self._finish(stream, builder)
+
+    def _admit(self, request: pb.GenerateRequest) -> tuple[RequestStream, ChunkBuilder]:
+        model_name = self._models.resolve(request.model)
+        scheduler = self._link.pick_scheduler(model_name)
+        if scheduler is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
+        tokenizer = self._models.tokenizer(scheduler.ready)
+        prepared = prepare(request, scheduler.ready, tokenizer)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        if self._link.is_in_flight(request_id):
+            raise invalid(f"request_id: {request_id!r} is already in flight")
+        message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(prepared.priority))
+        stream = self._link.submit(scheduler, message)
+        self._log.info(
+            "request_admitted", request_id=request_id, model=model_name, prompt_tokens=len(message.prompt_token_ids)
+        )
+        return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop)
+
+    async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, arrived: float):
+        last_token_at = None
+        while not builder.finished:
+            deltas = await _next_deltas(stream)
+            now = time.monotonic()
+            chunk = builder.build(deltas)
+            if builder.stopped_by_string and not stream.finished:
+                self._link.abort(stream.request_id)  # the rest of the generation is unwanted
+            num_tokens = len(chunk.token_ids)
+            if num_tokens:
+                labels = self._metrics.time_to_first_token.labels(builder.model_name)
+                if last_token_at is None:
+                    labels.observe(now - arrived)
+                else:
+                    itl = self._metrics.inter_token_latency.labels(builder.model_name)
+                    for _ in range(num_tokens):
+                        itl.observe((now - last_token_at) / num_tokens)
+                last_token_at = now
+            if builder.finished:
+                self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
+            yield chunk
+
+    def _finish(self, stream: RequestStream, builder: ChunkBuilder) -> None:
+        """Records the request's counts; a request that did not run to its end is aborted and settled first."""
+        if stream.finished:
+            self._record(stream, builder.final_counts())
+            return
+        self._link.abort(stream.request_id)
+        task = asyncio.get_running_loop().create_task(self._settle(stream, builder))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, stream: RequestStream, builder: ChunkBuilder) -> None:
+        """Waits for the scheduler's final counts of an aborted request: they are what it really computed."""
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        counts = builder.final_counts()
+        while not stream.finished and not stream.lost and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                item = await asyncio.wait_for(stream.queue.get(), remaining)
+            except TimeoutError:
+                break
+            if isinstance(item, SchedulerLost):
+                break
+            counts = FinalCounts.of(item, builder.finish_reason or "abort")
+        self._record(stream, counts)
+
+    def _record(self, stream: RequestStream, counts: FinalCounts) -> None:
+        self._link.forget(stream)
+        model = stream.scheduler.address.model_name
+        self._metrics.prompt_tokens.labels(model).inc(counts.prompt_tokens)
+        self._metrics.generation_tokens.labels(model).inc(counts.completion_tokens)
+        self._metrics.request_success.labels(model, counts.finish_reason).inc()
+        self._log.info(
+            "request_finished",
+            request_id=stream.request_id,
+            finish_reason=counts.finish_reason,
+            prompt_tokens=counts.prompt_tokens,
+            completion_tokens=counts.completion_tokens,
+            cached_tokens=counts.cached_tokens,
+        )
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        return pb.AbortResponse(aborted=self._link.abort(request.request_id))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        models = []
+        for name in self._models.names:
+            ready = self._models.describe(name)
+            models.append(
+                pb.ModelInfo(
+                    name=name,
+                    max_model_len=ready.max_model_len if ready else 0,
+                    vocab_size=ready.vocab_size if ready else 0,
+                    ready=ready is not None,
+                )
+            )
+        return pb.ListModelsResponse(models=models)
+
+
+async def _next_deltas(stream: RequestStream) -> list[RequestDelta]:
+    """Everything that arrived for the stream, waiting for at least one: a slow reader gets fewer, bigger chunks."""
+    items = [await stream.queue.get()]
+    while not stream.queue.empty():
+        items.append(stream.queue.get_nowait())
+    lost = next((item for item in items if isinstance(item, SchedulerLost)), None)
+    if lost is not None:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, lost.reason)
+    refused = next((d for d in items if d.finish_reason == "error"), None)
+    if refused is not None:
+        raise invalid(refused.error or "request refused by the scheduler")
+    return items

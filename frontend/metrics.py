@@ -1,0 +1,104 @@
+"""Prometheus metrics, named like vLLM's with a `tokend:` prefix, served as text on /metrics.
+
+Per-scheduler gauges and counters come from the schedulers' load reports; request latencies and token
+totals are observed here, where the client's experience is.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from gpu_runtime.ipc.messages import LoadReport
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        scheduler = ["model_name", "group"]
+        model = ["model_name"]
+        r = self.registry
+        self.num_requests_running = Gauge(
+            "tokend:num_requests_running", "Requests in the scheduler's running batch", scheduler, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "tokend:num_requests_waiting", "Requests waiting in the scheduler's queue", scheduler, registry=r
+        )
+        self.kv_cache_usage_perc = Gauge(
+            "tokend:kv_cache_usage_perc",
+            "Share of KV cache pages held by live sequences (1 = full)",
+            scheduler,
+            registry=r,
+        )
+        self.projected_ttft_seconds = Gauge(
+            "tokend:projected_ttft_seconds",
+            "Worst projected time to first token of a waiting request",
+            scheduler,
+            registry=r,
+        )
+        self.scheduler_up = Gauge("tokend:scheduler_up", "1 while the scheduler is ready", scheduler, registry=r)
+        self.prefix_cache_queries = Counter(
+            "tokend:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", scheduler, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "tokend:prefix_cache_hits", "Prompt tokens found in the prefix cache", scheduler, registry=r
+        )
+        self.num_preemptions = Counter(
+            "tokend:num_preemptions", "Sequences preempted to free KV pages", scheduler, registry=r
+        )
+        self.prompt_tokens = Counter("tokend:prompt_tokens", "Prompt tokens of finished requests", model, registry=r)
+        self.generation_tokens = Counter(
+            "tokend:generation_tokens", "Tokens generated, aborted requests included", model, registry=r
+        )
+        self.request_success = Counter(
+            "tokend:request_success", "Requests that ended, by finish reason", [*model, "finished_reason"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "tokend:time_to_first_token_seconds", "Arrival to first token", model, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "tokend:inter_token_latency_seconds",
+            "Time between streamed tokens",
+            model,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "tokend:e2e_request_latency_seconds", "Arrival to last token", model, buckets=_E2E_BUCKETS, registry=r
+        )
+        self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
+        # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
+        self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+
+    def observe_load(self, model_name: str, group: str, report: LoadReport) -> None:
+        labels = (model_name, group)
+        self.num_requests_running.labels(*labels).set(report.num_running)
+        self.num_requests_waiting.labels(*labels).set(report.num_waiting)
+        self.kv_cache_usage_perc.labels(*labels).set(report.kv_cache_usage)
+        self.projected_ttft_seconds.labels(*labels).set(report.projected_ttft_seconds)
+        self.scheduler_up.labels(*labels).set(1)
+        incarnation, queries, hits, preemptions = self._last_counts.get(labels, (report.incarnation, 0, 0, 0))
+        if incarnation != report.incarnation:  # a restarted scheduler counts from zero again
+            queries = hits = preemptions = 0
+        self.prefix_cache_queries.labels(*labels).inc(report.prefix_query_tokens - queries)
+        self.prefix_cache_hits.labels(*labels).inc(report.prefix_hit_tokens - hits)
+        self.num_preemptions.labels(*labels).inc(report.num_preemptions - preemptions)
+        self._last_counts[labels] = (
+            report.incarnation,
+            report.prefix_query_tokens,
+            report.prefix_hit_tokens,
+            report.num_preemptions,
+        )
+
+    def scheduler_lost(self, model_name: str, group: str) -> None:
+        """A dead scheduler holds nothing: its gauges go back to their baseline."""
+        labels = (model_name, group)
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
+            gauge.labels(*labels).set(0)
+        self.projected_ttft_seconds.labels(*labels).set(0)
+        self.scheduler_up.labels(*labels).set(0)

@@ -1,0 +1,38 @@
+"""The served models: their names, the default, and each one's tokenizer (loaded when its scheduler is ready)."""
+
+from __future__ import annotations
+
+import grpc
+
+from frontend.scheduler_link import SchedulerLink
+from frontend.validation import RequestError
+from gpu_runtime.ipc.messages import SchedulerReady
+from gpu_runtime.tokenizer import Tokenizer
+
+
+class ModelCatalog:
+    def __init__(self, link: SchedulerLink, default_model: str):
+        self._link = link
+        self.default_model = default_model
+        self.names = list(dict.fromkeys([default_model] + [s.address.model_name for s in link.schedulers]))
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    def resolve(self, requested: str) -> str:
+        """The served name a request means; NOT_FOUND names the field when there is none."""
+        name = requested or self.default_model
+        if name not in self.names:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND, f"model: {requested!r} is not served here; served: {self.names}"
+            )
+        return name
+
+    def tokenizer(self, ready: SchedulerReady) -> Tokenizer:
+        tokenizer = self._tokenizers.get(ready.model_name)
+        if tokenizer is None:
+            tokenizer = self._tokenizers[ready.model_name] = Tokenizer(ready.model_dir)
+        return tokenizer
+
+    def describe(self, name: str) -> SchedulerReady | None:
+        """The latest SchedulerReady of any scheduler of the model, or None when none is up."""
+        ready = self._link.ready_schedulers(name)
+        return ready[0].ready if ready else None

@@ -1,0 +1,89 @@
+"""ChunkBuilder: turns one request's scheduler deltas into GenerateResponse chunks (text, usage, finish)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
+from gpu_runtime.ipc.messages import RequestDelta
+from gpu_runtime.tokenizer import Tokenizer
+from tokend.v1 import tokend_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class FinalCounts:
+    """What a request really cost, as its scheduler counted it."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def of(cls, delta: RequestDelta, finish_reason: str) -> FinalCounts:
+        return cls(finish_reason, delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens)
+
+
+class ChunkBuilder:
+    def __init__(self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str]):
+        self.request_id = request_id
+        self.model_name = model_name
+        self._detokenizer = IncrementalDetokenizer(tokenizer.backend)
+        self._stop = StopStringMatcher(stop)
+        self._last: RequestDelta | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self._stop.matched is not None
+
+    def build(self, deltas: list[RequestDelta]) -> pb.GenerateResponse:
+        self._last = deltas[-1]
+        token_ids = [token for delta in deltas for token in delta.new_token_ids]
+        text = self._stop.push(self._detokenizer.push(token_ids))
+        finish_reason = self._last.finish_reason
+        if finish_reason is not None and self._stop.matched is None:
+            text += self._stop.push(self._detokenizer.finish())
+            text += self._stop.flush()
+        if self._stop.matched is not None:
+            finish_reason = "stop"
+        self.finish_reason = finish_reason
+        usage = pb.Usage(
+            prompt_tokens=self._last.num_prompt_tokens,
+            completion_tokens=self._last.num_output_tokens,
+            cached_tokens=self._last.num_cached_tokens,
+        )
+        return pb.GenerateResponse(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            text=text,
+            usage=usage,
+            finish_reason=finish_reason or "",
+            logprobs=_logprobs(deltas),
+            model=self.model_name,
+        )
+
+    def final_counts(self) -> FinalCounts:
+        """Counts as far as this stream saw them (the scheduler's, at its last delta)."""
+        last = self._last
+        reason = self.finish_reason or "abort"
+        if last is None:
+            return FinalCounts(reason, 0, 0, 0)
+        return FinalCounts.of(last, reason)
+
+
+def _logprobs(deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=entry.token_id,
+            logprob=entry.logprob,
+            top=[pb.TopLogprob(token_id=token, logprob=value) for token, value in entry.top],
+        )
+        for delta in deltas
+        if delta.new_logprobs
+        for entry in delta.new_logprobs
+    ]

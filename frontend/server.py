@@ -1,0 +1,79 @@
+"""Assembles the frontend: the gRPC server (Generation, Admin, health, reflection), the scheduler link, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from frontend.admin_service import AdminService
+from frontend.generation_service import GenerationService
+from frontend.lifecycle import Lifecycle
+from frontend.metrics import FrontendMetrics
+from frontend.models import ModelCatalog
+from frontend.scheduler_link import SchedulerLink
+from frontend.spec import FrontendSpec
+from tokend.v1 import tokend_pb2 as pb
+from tokend.v1 import tokend_pb2_grpc as pb_grpc
+
+
+class PortInUse(Exception):
+    pass
+
+
+async def serve(spec: FrontendSpec, log) -> None:
+    """Serves until SIGTERM/SIGINT, then drains: in-flight streams get up to drain_timeout_s to finish."""
+    metrics = FrontendMetrics()
+    health_servicer = health.aio.HealthServicer()
+    lifecycle: Lifecycle | None = None
+    link = SchedulerLink(spec, log, on_change=lambda: lifecycle.schedule_health_refresh())
+    lifecycle = Lifecycle(health_servicer, link)
+    link.on_load = lambda state, report: metrics.observe_load(state.address.model_name, state.address.group, report)
+    link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
+    models = ModelCatalog(link, spec.default_model)
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", spec.max_request_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
+        ]
+    )
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(link, models, lifecycle, metrics, log), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_names = [
+        pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    ]
+    reflection.enable_server_reflection(service_names, server)
+    try:
+        server.add_insecure_port(f"127.0.0.1:{spec.grpc_port}")
+    except RuntimeError as error:
+        raise PortInUse(f"grpc_port: cannot listen on 127.0.0.1:{spec.grpc_port} ({error})") from None
+    await lifecycle.refresh_health()  # NOT_SERVING until every scheduler said it is ready
+    await link.start()
+    await server.start()
+    if spec.metrics_port is not None:
+        metrics.serve(spec.metrics_port)
+    log.info("frontend_listening", grpc_port=spec.grpc_port, metrics_port=spec.metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+    log.info("draining", in_flight=lifecycle.in_flight, timeout_s=spec.drain_timeout_s)
+    await lifecycle.begin_drain()
+    if not await lifecycle.wait_idle(spec.drain_timeout_s):
+        log.warning("drain_timeout", aborted=lifecycle.in_flight)
+        link.fail_all("server is shutting down; retry on another instance")
+        await lifecycle.wait_idle(5.0)
+    await server.stop(grace=2.0)
+    link.close()
+    log.info("frontend_stopped")

@@ -1,0 +1,123 @@
+"""Checks a GenerateRequest against the model it goes to; every failure names the field it is about."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from gpu_runtime.ipc.messages import Sampling, SchedulerReady
+from gpu_runtime.sampling_params import SamplingParams
+from gpu_runtime.sequence import Priority
+from gpu_runtime.tokenizer import Tokenizer
+from tokend.v1 import tokend_pb2 as pb
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_STRING_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+
+_PRIORITIES = {
+    pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE,
+    pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
+    pb.PRIORITY_BATCH: Priority.BATCH,
+}
+
+
+class RequestError(Exception):
+    """A request the server refuses: a gRPC status code and a message that names the field."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    stop: list[str]
+    priority: Priority
+
+
+def prepare(request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer) -> PreparedRequest:
+    """Validates and tokenizes; raises RequestError (INVALID_ARGUMENT) naming the first bad field."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+        raise invalid(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+    if request.priority not in _PRIORITIES:
+        raise invalid(f"priority: unknown value {request.priority}")
+    params, stop = _sampling_params(request.sampling)
+    token_ids = _prompt_token_ids(request, model, tokenizer)
+    if len(token_ids) >= model.max_model_len:
+        field = "prompt" if request.WhichOneof("input") == "prompt" else "token_ids"
+        raise invalid(
+            f"{field}: {len(token_ids)} tokens leave no room to generate in the context of {model.max_model_len}"
+        )
+    longest = min(len(token_ids) + params.max_tokens, model.max_model_len)
+    pages_needed = -(-longest // model.page_size)
+    if pages_needed > model.num_pages:
+        raise invalid(
+            f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages, "
+            f"but the whole cache holds {model.num_pages}"
+        )
+    sampling = Sampling(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+    return PreparedRequest(token_ids, sampling, stop, _PRIORITIES[request.priority])
+
+
+def _sampling_params(wire: pb.SamplingParams) -> tuple[SamplingParams, list[str]]:
+    stop = list(wire.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in stop):
+        raise invalid(f"sampling.stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    try:
+        params = SamplingParams(
+            max_tokens=wire.max_tokens if wire.HasField("max_tokens") else 16,
+            temperature=wire.temperature if wire.HasField("temperature") else 1.0,
+            top_p=wire.top_p if wire.HasField("top_p") else 1.0,
+            top_k=wire.top_k,
+            min_p=wire.min_p,
+            seed=wire.seed if wire.HasField("seed") else None,
+            stop_token_ids=tuple(wire.stop_token_ids),
+            ignore_eos=wire.ignore_eos,
+            logprobs=wire.logprobs if wire.HasField("logprobs") else None,
+        )
+    except ValueError as error:  # SamplingParams names the field; the wire name adds its message
+        raise invalid(f"sampling.{error}") from None
+    return params, stop
+
+
+def _prompt_token_ids(request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer) -> list[int]:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise invalid("prompt: give either prompt (text) or token_ids")
+    if which == "prompt":
+        if not request.prompt:
+            raise invalid("prompt: must not be empty")
+        token_ids = tokenizer.encode(request.prompt)
+        if not token_ids:
+            raise invalid("prompt: tokenizes to no tokens")
+        return token_ids
+    token_ids = list(request.token_ids.ids)
+    if not token_ids:
+        raise invalid("token_ids: must not be empty")
+    for index, token_id in enumerate(token_ids):
+        if token_id >= model.vocab_size:
+            raise invalid(
+                f"token_ids: id {token_id} at index {index} is outside the vocabulary [0, {model.vocab_size})"
+            )
+    return token_ids

@@ -1,0 +1,136 @@
+"""Every message that crosses between the frontend and a scheduler, as msgspec Structs on MessagePack.
+
+Torch-free on purpose: the frontend imports this module too. Decoding checks each message against its
+schema, so bytes that are not one of these messages (a pickle included) raise DecodeError and are dropped.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """SamplingParams on the wire (stop strings stay in the frontend, which owns the text)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+# -- frontend -> scheduler --------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    priority: int  # gpu_runtime.sequence.Priority: 0 interactive, 1 batch
+
+
+class AbortRequests(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
+    request_ids: list[str]
+
+
+class FrontendHello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
+    """A frontend (re)connected. Requests of any earlier frontend have no reader any more: the scheduler aborts
+    them, and answers with SchedulerReady."""
+
+    frontend_id: str
+
+
+ToScheduler = AddRequest | AbortRequests | FrontendHello
+
+
+# -- scheduler -> frontend --------------------------------------------------------------------------------
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
+    """One request's progress in one step. Counts are authoritative and cumulative; finish_reason ends it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None  # with finish_reason "error": why the scheduler refused the request
+
+
+class StepOutputs(msgspec.Struct, frozen=True, tag="step"):
+    """Every request that gained a token (or ended) in one engine step, in one message."""
+
+    worker_id: str
+    incarnation: str
+    deltas: list[RequestDelta]
+
+
+class SchedulerReady(msgspec.Struct, frozen=True, tag="ready"):
+    """Sent once the model is loaded and warm, and again on every FrontendHello."""
+
+    worker_id: str
+    incarnation: str  # new at every process start, so a restart is never mistaken for the old process
+    pid: int
+    model_name: str
+    model_dir: str
+    group: str
+    max_model_len: int
+    vocab_size: int
+    num_pages: int
+    page_size: int
+
+
+class LoadReport(msgspec.Struct, frozen=True, tag="load"):
+    """Sent several times a second from the scheduler loop: the leading indicators routing and scaling read."""
+
+    worker_id: str
+    incarnation: str
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # pages held by live sequences / all pages
+    num_pages: int
+    num_used_pages: int
+    prefix_query_tokens: int  # cumulative since the process started
+    prefix_hit_tokens: int
+    num_preemptions: int
+    projected_ttft_seconds: float
+    mean_step_ms: float
+    sent_at: float  # time.time() of the sender
+
+
+ToFrontend = StepOutputs | SchedulerReady | LoadReport
+
+
+class Codec:
+    """Encodes what one side sends and decodes, schema-checked, what it receives."""
+
+    def __init__(self, receives: type):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(receives)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes):
+        """Raises msgspec.DecodeError (or ValidationError, its subclass) for anything but a valid message."""
+        return self._decoder.decode(data)
+
+
+def scheduler_codec() -> Codec:
+    return Codec(ToScheduler)
+
+
+def frontend_codec() -> Codec:
+    return Codec(ToFrontend)

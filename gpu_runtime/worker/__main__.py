@@ -1,0 +1,61 @@
+"""Entry point of a scheduler process: `python -m gpu_runtime.worker '<WorkerSpec JSON>'` (spawned by the daemon)."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import sys
+from pathlib import Path
+
+import zmq
+
+from daemon.child_process import become_child
+from daemon.logs import configure_logging
+from gpu_runtime.worker.spec import WorkerSpec
+
+EXIT_CONFIG_ERROR = 78  # EX_CONFIG: restarting cannot help, the daemon gives up and says why
+
+
+def main(argv: list[str]) -> int:
+    spec = WorkerSpec.from_json(argv[1])
+    become_child(f"tokend: scheduler {spec.model_name} {spec.group}")
+    log = configure_logging("scheduler", spec.log_level).bind(worker=spec.worker_id)
+    Path(spec.heartbeat_path).touch()
+
+    from gpu_runtime.engine import LLMEngine  # torch loads here, after the title is set
+    from gpu_runtime.engine_config import EngineConfig
+    from gpu_runtime.worker.io_threads import InputReader, OutputWriter
+    from gpu_runtime.worker.scheduler_loop import SchedulerLoop
+    from gpu_runtime.worker.warm_up import warm_up
+
+    try:
+        config = EngineConfig(
+            model=spec.model_path, served_model_name=spec.model_name, device=spec.device, **spec.engine_options
+        )
+        engine = LLMEngine(config)
+    except (ValueError, TypeError, OSError) as error:
+        log.error("engine_failed_to_start", error=str(error))
+        return EXIT_CONFIG_ERROR
+    warm_up(engine)
+    log.info("engine_ready", model=engine.model_name, device=str(engine.device), kv_pages=engine.kv.num_pages)
+
+    context = zmq.Context()
+    inbox: queue.Queue = queue.Queue()
+    reader = InputReader(context, spec.input_address, inbox, log)
+    writer = OutputWriter(context, spec.output_address, log)
+    loop = SchedulerLoop(spec, engine, inbox, writer, log)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: loop.stop())
+    reader.start()
+    writer.start()
+    loop.run()
+    reader.stop()
+    writer.close()
+    reader.join(timeout=2)
+    context.term()
+    log.info("scheduler_stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

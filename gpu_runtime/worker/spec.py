@@ -1,0 +1,26 @@
+"""WorkerSpec: everything a scheduler process needs to start, passed by the daemon as JSON on its command line."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    worker_id: str  # "<model>/<group>", unique in the daemon
+    model_name: str  # the served name
+    model_path: str | None  # a Hugging Face directory; None serves the embedded default
+    group: str  # the GPU group, e.g. "0"; "cpu" on machines without one
+    device: str  # torch device for this group
+    input_address: str  # ipc:// the scheduler binds; the frontend pushes requests here
+    output_address: str  # ipc:// the frontend binds; the scheduler pushes outputs here
+    heartbeat_path: str  # touched by the loop while it makes progress; the daemon's watchdog reads it
+    engine_options: dict[str, object] = {}  # EngineConfig fields
+    log_level: str = "info"
+    load_report_interval_s: float = 0.2
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return msgspec.json.decode(text, type=cls)

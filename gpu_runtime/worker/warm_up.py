@@ -1,0 +1,22 @@
+"""Warm-up: one short generation before the scheduler says it is ready, so no client pays first-run costs."""
+
+from __future__ import annotations
+
+from gpu_runtime.engine import LLMEngine
+from gpu_runtime.sampling_params import SamplingParams
+
+_WARM_UP_ID = "tokend-warm-up"
+
+
+def warm_up(engine: LLMEngine, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
+    """Runs a prefill and a few decode steps through every layer, then forgets the request's cached pages."""
+    prompt = [i % engine.model_config.vocab_size for i in range(1, num_prompt_tokens + 1)]
+    engine.add_request(
+        _WARM_UP_ID, prompt, SamplingParams(max_tokens=num_output_tokens, temperature=0, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Leave no trace in what clients see: no cached prefix, no counted tokens or steps.
+    engine.kv.allocator.evict_all_cached()
+    engine.kv.num_prefix_query_tokens = engine.kv.num_prefix_hit_tokens = 0
+    engine.stats = type(engine.stats)()

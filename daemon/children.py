@@ -36,7 +36,8 @@ class Child:
         # Children import this project's packages whatever the working directory or installation.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PROJECT_ROOT, env.get("PYTHONPATH")]))
         if self.heartbeat_path is not None:
-            self.heartbeat_path.touch()
+            # The new process's loop creates it again: until then the child is starting, not progressing.
+            self.heartbeat_path.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", self.module, self.spec_json], env=env)
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -60,13 +61,14 @@ class Child:
         self.num_restarts += 1
         return delay
 
-    def heartbeat_age(self, now_wall: float) -> float:
+    def heartbeat_age(self, now_wall: float) -> float | None:
+        """Seconds since the child's loop last moved; None while it has not started looping (loading a model)."""
         if self.heartbeat_path is None:
             return 0.0
         try:
             return now_wall - self.heartbeat_path.stat().st_mtime
         except FileNotFoundError:
-            return float("inf")
+            return None
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -95,14 +95,19 @@ class Supervisor:
     def _kill_stalled_schedulers(self) -> None:
         now_wall = time.time()
         for child in self.schedulers:
-            if child.process is not None and child.heartbeat_age(now_wall) > self.config.stall_timeout:
-                self.log.error("scheduler_stalled", child=child.name, stalled_s=round(child.heartbeat_age(now_wall)))
+            age = child.heartbeat_age(now_wall)
+            if child.process is not None and age is not None and age > self.config.stall_timeout:
+                self.log.error("scheduler_stalled", child=child.name, stalled_s=round(age))
                 child.process.kill()  # the loop above reaps it and restarts it
 
     def _schedulers_progressing(self) -> bool:
-        """True while every scheduler loop has moved recently (a hung engine must not look alive to systemd)."""
+        """True while every scheduler loop has moved recently (a hung engine must not look alive to systemd).
+
+        A scheduler that is (re)starting is not progressing either: if it never gets to its loop, systemd's
+        watchdog restarts the whole service."""
         now_wall = time.time()
-        return all(child.heartbeat_age(now_wall) <= self.config.stall_timeout for child in self.schedulers)
+        ages = [child.heartbeat_age(now_wall) for child in self.schedulers]
+        return all(age is not None and age <= self.config.stall_timeout for age in ages)
 
     def _frontend_is_serving(self) -> bool:
         import grpc  # only the supervisor's readiness probe needs it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -141,3 +142,21 @@ class Daemon:
 
     def session_pids(self) -> list[int]:
         return self.child_pids("")
+
+    def runtime_dir(self) -> Path:
+        """The private directory of the daemon's ipc sockets (from its `starting` log line)."""
+        for line in self.log_path.read_text().splitlines():
+            if '"event": "starting"' in line:
+                return Path(json.loads(line)["runtime_dir"])
+        raise AssertionError(f"no starting line in the log:\n{self.log()}")
+
+    def wait_for(self, predicate, timeout: float, interval: float = 0.05):
+        """Polls predicate() until it returns something truthy; returns it, or fails after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout} s:\n{self.log()}")
+            time.sleep(interval)

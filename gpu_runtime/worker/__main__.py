@@ -20,7 +20,6 @@ def main(argv: list[str]) -> int:
     spec = WorkerSpec.from_json(argv[1])
     become_child(f"tokend: scheduler {spec.model_name} {spec.group}")
     log = configure_logging("scheduler", spec.log_level).bind(worker=spec.worker_id)
-    Path(spec.heartbeat_path).touch()
 
     from gpu_runtime.engine import LLMEngine  # torch loads here, after the title is set
     from gpu_runtime.engine_config import EngineConfig
@@ -44,6 +43,7 @@ def main(argv: list[str]) -> int:
     reader = InputReader(context, spec.input_address, inbox, log)
     writer = OutputWriter(context, spec.output_address, log)
     loop = SchedulerLoop(spec, engine, inbox, writer, log)
+    Path(spec.heartbeat_path).touch()  # from here on the loop keeps it fresh
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())
     reader.start()

@@ -1,0 +1,78 @@
+"""Bad input over gRPC gets the right status and a message naming the field; the frontend keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from daemon_harness import Daemon
+
+from tokend.v1 import tokend_pb2 as pb
+
+KV_PAGES = 64  # a small cache: 64 pages of 16 tokens
+PAGE_BYTES = 2 * 4 * 16 * 2 * 32 * 4  # K and V x 4 layers x 16 tokens x 2 kv heads x 32 dims x float32
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--kv-cache-bytes", str(KV_PAGES * PAGE_BYTES)) as running:
+        yield running
+
+
+def _error(daemon: Daemon, request: pb.GenerateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        list(daemon.generation.Generate(request, timeout=30))
+    return caught.value
+
+
+def _sampling(**fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(**fields))
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "field"),
+    [
+        (pb.GenerateRequest(model="no-such-model", prompt="Hi"), grpc.StatusCode.NOT_FOUND, "model"),
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (pb.GenerateRequest(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 2048)), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        (_sampling(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        (_sampling(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        (_sampling(top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        (_sampling(min_p=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_p"),
+        (_sampling(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+        (_sampling(max_tokens=1500), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+        (_sampling(logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs"),
+        (_sampling(stop=["x"] * 9), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
+        (_sampling(stop=["x" * 300]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
+        (pb.GenerateRequest(prompt="Hi", priority=7), grpc.StatusCode.INVALID_ARGUMENT, "priority"),
+        (pb.GenerateRequest(prompt="Hi", request_id="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (pb.GenerateRequest(prompt="x" * (5 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    ],
+    ids=lambda value: value.name if isinstance(value, grpc.StatusCode) else None,
+)
+def test_bad_input_gets_its_status_and_names_the_field(daemon, request_, code, field):
+    error = _error(daemon, request_)
+    assert error.code() == code, error.details()
+    assert error.details().startswith(field), error.details()
+    # ... and everyone else is still served.
+    assert daemon.generate("still here?", max_tokens=3)[-1].finish_reason == "length"
+
+
+def test_a_request_id_already_in_flight_is_refused(daemon):
+    long_request = pb.GenerateRequest(
+        prompt="Hi", request_id="twice", sampling=pb.SamplingParams(max_tokens=800, ignore_eos=True)
+    )
+    first = daemon.generation.Generate(long_request, timeout=60)
+    next(first)
+    error = _error(daemon, long_request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("request_id")
+    first.cancel()
+
+
+def test_abort_needs_a_request_id(daemon):
+    with pytest.raises(grpc.RpcError) as caught:
+        daemon.generation.Abort(pb.AbortRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not daemon.generation.Abort(pb.AbortRequest(request_id="never-seen"), timeout=10).aborted

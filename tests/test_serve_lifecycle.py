@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -131,10 +132,8 @@ def test_systemd_hears_ready_watchdog_only_while_the_scheduler_loop_moves_and_st
 def _collect(listener: socket.socket, messages: list, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(TimeoutError):
             messages.append((time.monotonic(), listener.recv(4096).decode()))
-        except TimeoutError:
-            pass
 
 
 def _alive(pid: int) -> bool:

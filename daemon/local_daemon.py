@@ -1,0 +1,163 @@
+"""LocalDaemon: a real `tokend serve` on free loopback ports, for end-to-end tests and benchmarks; always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokend.v1 import tokend_pb2 as pb
+from tokend.v1 import tokend_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalDaemon:
+    """One `tokend serve` process tree. Use as a context manager; it is killed, whole, on exit."""
+
+    def __init__(self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None):
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.state_dir = tempfile.mkdtemp(prefix="tokend-test-state-")
+        self.log_path = Path(self.state_dir) / "daemon.log"
+        self.flags = flags
+        self.extra_env = env or {}
+        self.ready_timeout = ready_timeout
+        self.process: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def __enter__(self) -> LocalDaemon:
+        command = [
+            sys.executable, "-m", "daemon.cli", "serve",
+            "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port),
+            "--state-dir", self.state_dir,
+            *self.flags,
+        ]  # fmt: skip
+        env = {**os.environ, **self.extra_env, "PYTHONPATH": str(ROOT)}
+        with self.log_path.open("wb") as log:
+            # Its own session, so that cleanup can kill the whole tree whatever state it is in.
+            self.process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+        self.channel = grpc.insecure_channel(self.address)
+        try:
+            self.wait_serving(self.ready_timeout)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # anything left of the tree
+            self.process.wait()
+
+    # -- clients --------------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channel)
+
+    @property
+    def admin(self) -> pb_grpc.AdminStub:
+        return pb_grpc.AdminStub(self.channel)
+
+    def health_status(self) -> int | None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+        except grpc.RpcError:
+            return None
+
+    def wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.health_status() != health_pb2.HealthCheckResponse.SERVING:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tokend serve exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tokend serve not serving after {timeout} s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def generate(self, prompt: str = "Hello", timeout: float = 60.0, **sampling) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(**sampling))
+        return list(self.generation.Generate(request, timeout=timeout))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A /metrics sample (e.g. 'tokend:num_requests_running'), summed over the series matching the labels."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    # -- the process tree -----------------------------------------------------------------------------------
+
+    def child_pids(self, title: str) -> list[int]:
+        """Pids of processes in this daemon's session whose title starts with `title`."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getsid(int(entry.name)) != self.process.pid:
+                    continue
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                continue
+            if cmdline.startswith(title):
+                pids.append(int(entry.name))
+        return pids
+
+    def session_pids(self) -> list[int]:
+        return self.child_pids("")
+
+    def runtime_dir(self) -> Path:
+        """The private directory of the daemon's ipc sockets (from its `starting` log line)."""
+        for line in self.log_path.read_text().splitlines():
+            if '"event": "starting"' in line:
+                return Path(json.loads(line)["runtime_dir"])
+        raise AssertionError(f"no starting line in the log:\n{self.log()}")
+
+    def wait_for(self, predicate, timeout: float, interval: float = 0.05):
+        """Polls predicate() until it returns something truthy; returns it, or fails after timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout} s:\n{self.log()}")
+            time.sleep(interval)

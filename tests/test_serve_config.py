@@ -1,0 +1,66 @@
+"""`tokend serve` configuration: flags over the TOML file over defaults, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.cli import build_parser
+from daemon.config import ServeConfig, load_serve_config
+
+
+def _load(*argv: str) -> ServeConfig:
+    return load_serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_work_on_a_laptop():
+    config = _load()
+    assert (config.grpc_port, config.metrics_port, config.model, config.devices) == (50051, 9401, (), ["auto"])
+    assert config.engine_options() == {
+        "dtype": "auto",
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+        "scheduling": "continuous",
+    }
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text('grpc_port = 6000\nmax_num_seqs = 8\nkv_cache_bytes = 1048576\ndevice = "cpu,cpu"\n')
+    config = _load("--config", str(config_file), "--max-num-seqs", "16")
+    assert (config.grpc_port, config.max_num_seqs, config.kv_cache_bytes) == (6000, 16, 1048576)
+    assert config.devices == ["cpu", "cpu"]
+    assert config.engine_options()["kv_cache_bytes"] == 1048576
+
+
+def test_model_may_be_one_path_or_a_list_in_the_file(tmp_path, llama_dir):
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text(f'model = "{llama_dir}"\nserved_model_name = "small"\n')
+    assert _load("--config", str(config_file)).model == (str(llama_dir),)
+    config_file.write_text(f'model = ["{llama_dir}", "{llama_dir}"]\n')
+    assert len(_load("--config", str(config_file)).model) == 2
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("max_num_seqs = 0", "max_num_seqs"),
+        ("metrics_port = -1", "metrics_port"),
+        ('scheduling = "greedy"', "scheduling"),
+        ("drain_timeout = -5", "drain_timeout"),
+        ('log_level = "loud"', "log_level"),
+        ("kv_cache_bytes = 0", "kv_cache_bytes"),
+        ("grpc_port = true", "grpc_port"),
+        ("no_such_option = 1", "no_such_option"),
+        ("max_num_seqs = ", "config"),
+    ],
+)
+def test_a_bad_key_is_named(tmp_path, toml, key):
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text(toml + "\n")
+    with pytest.raises(ValueError, match=f"^{key}"):
+        _load("--config", str(config_file))
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="^config: cannot read"):
+        _load("--config", str(tmp_path / "absent.toml"))

@@ -1,5 +1,6 @@
 """What the daemon adds on top of the engine: output tokens/s at 32 concurrent gRPC streams versus the same
-workload on the in-process engine, and the added time to first token at low load. Prints JSON.
+workload on the in-process engine, the added time to first token at low load, and how long a client's
+cancel takes to reach the scheduler. Prints JSON.
 
     .venv/bin/python scripts/bench_overhead.py [--streams 32] [--output-len 128] [--out result.json]
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -109,6 +112,39 @@ async def grpc_ttft(address: str, prompts: list[list[int]]) -> list[float]:
     return samples
 
 
+async def abort_latency(daemon: LocalDaemon, prompt: list[int], samples: int) -> list[float]:
+    """Seconds from a client's cancel to its scheduler dropping the request (the scheduler's log says when)."""
+    latencies = []
+    async with grpc.aio.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for index in range(samples):
+            request_id = f"abort-latency-{index}"
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                request_id=request_id,
+                sampling=pb.SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True),
+            )
+            call = stub.Generate(request)
+            for _ in range(3):
+                await call.read()
+            cancelled_at = time.time()
+            call.cancel()
+            aborted_at = await asyncio.to_thread(_logged_time, daemon, "request_aborted", request_id)
+            latencies.append(aborted_at - cancelled_at)
+    return latencies
+
+
+def _logged_time(daemon: LocalDaemon, event: str, request_id: str, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in daemon.log_path.read_text().splitlines():
+            if f'"event": "{event}"' in line and f'"request_id": "{request_id}"' in line:
+                stamp = json.loads(line)["timestamp"]
+                return datetime.fromisoformat(stamp).timestamp()
+        time.sleep(0.01)
+    raise TimeoutError(f"no {event} logged for {request_id}")
+
+
 # -- placement --------------------------------------------------------------------------------------------------
 
 
@@ -167,6 +203,7 @@ def main() -> int:
             if pinned:
                 pin(os.getpid(), OVERHEAD_CORE)
             ttft_grpc = asyncio.run(grpc_ttft(daemon.address, ttft_prompts))
+            aborts = asyncio.run(abort_latency(daemon, prompts[0], samples=10))
 
     in_process_best = max(run["tokens_per_s"] for run in in_process_runs)
     grpc_best = max(run["tokens_per_s"] for run in grpc_runs)
@@ -197,6 +234,11 @@ def main() -> int:
             },
             "added_ttft_p50_ms": 1e3 * (p50_grpc - p50_in_process),
             "added_ttft_p50_ms_target": 5.0,
+            "cancel_to_scheduler_abort_ms": {
+                "p50": 1e3 * statistics.median(aborts),
+                "max": 1e3 * max(aborts),
+                "target_max": 100.0,
+            },
         },
         args.out,
     )

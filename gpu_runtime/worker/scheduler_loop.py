@@ -77,8 +77,13 @@ class SchedulerLoop:
         if isinstance(message, AddRequest):
             return self._add(message)
         if isinstance(message, AbortRequests):
-            aborted = (self.engine.abort_request(request_id) for request_id in message.request_ids)
-            return [self._delta(output) for output in aborted if output is not None]
+            aborted = [self.engine.abort_request(request_id) for request_id in message.request_ids]
+            deltas = [self._delta(output) for output in aborted if output is not None]
+            for delta in deltas:
+                self._log.info(
+                    "request_aborted", request_id=delta.request_id, completion_tokens=delta.num_output_tokens
+                )
+            return deltas
         if isinstance(message, FrontendHello):
             self._greet(message.frontend_id)
         return []

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXIT_CONFIG_ERROR = 78  # a child that exits with this cannot be helped by a restart
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 _STABLE_AFTER_S = 30.0  # a child up this long has recovered: its backoff starts over
 _MAX_BACKOFF_S = 30.0

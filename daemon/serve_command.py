@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from daemon.children import EXIT_CONFIG_ERROR
 from daemon.config import load_serve_config
+from daemon.exit_codes import EXIT_CONFIG_ERROR
 from daemon.logs import configure_logging
 
 

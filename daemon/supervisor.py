@@ -12,8 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from daemon.children import EXIT_CONFIG_ERROR, Child
+from daemon.children import Child
 from daemon.config import DEFAULT_MODEL_NAME, ServeConfig
+from daemon.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.systemd_notify import SystemdNotifier
 from frontend.spec import FrontendSpec, SchedulerAddress
 from gpu_runtime.worker.spec import WorkerSpec
@@ -21,7 +22,6 @@ from gpu_runtime.worker.spec import WorkerSpec
 _TICK_S = 0.1
 _HEALTH_PROBE_EVERY_S = 0.25
 _MAX_CONSECUTIVE_FAILURES = 8  # then the daemon gives up and exits non-zero, for systemd to restart it
-EXIT_CANNOT_SERVE = 1
 
 
 class Supervisor:
@@ -73,7 +73,10 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     continue
-                if code == EXIT_CONFIG_ERROR or child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
+                if code == EXIT_CONFIG_ERROR:
+                    self.log.error("configuration_error", child=child.name)
+                    return EXIT_CONFIG_ERROR
+                if code == EXIT_TEMPORARY or child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
                     self.log.error("cannot_serve", child=child.name, exit_code=code)
                     return EXIT_CANNOT_SERVE
                 delay = child.schedule_restart(now)

@@ -7,11 +7,10 @@ import sys
 import uvloop
 
 from daemon.child_process import become_child
+from daemon.exit_codes import EXIT_TEMPORARY
 from daemon.logs import configure_logging
 from frontend.server import PortInUse, serve
 from frontend.spec import FrontendSpec
-
-EXIT_CONFIG_ERROR = 78  # EX_CONFIG: restarting cannot help
 
 
 def main(argv: list[str]) -> int:
@@ -22,7 +21,7 @@ def main(argv: list[str]) -> int:
         uvloop.run(serve(spec, log))
     except PortInUse as error:
         log.error("cannot_listen", error=str(error))
-        return EXIT_CONFIG_ERROR
+        return EXIT_TEMPORARY
     return 0
 
 

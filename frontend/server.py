@@ -59,7 +59,10 @@ async def serve(spec: FrontendSpec, log) -> None:
     await link.start()
     await server.start()
     if spec.metrics_port is not None:
-        metrics.serve(spec.metrics_port)
+        try:
+            metrics.serve(spec.metrics_port)
+        except OSError as error:
+            raise PortInUse(f"metrics_port: cannot listen on 127.0.0.1:{spec.metrics_port} ({error})") from None
     log.info("frontend_listening", grpc_port=spec.grpc_port, metrics_port=spec.metrics_port)
 
     stop = asyncio.Event()

@@ -188,6 +188,13 @@ def test_a_bad_config_file_exits_78_naming_the_key(tmp_path):
     assert result.returncode == 78 and "max_num_seqs" in result.stderr
 
 
+def test_a_model_that_cannot_load_exits_78_naming_the_problem(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    result = _serve("--model", str(tmp_path), "--grpc-port", str(free_port()), "--metrics-port", "0", timeout=120)
+    assert result.returncode == 78
+    assert "engine_failed_to_start" in result.stderr and "gpt2" in result.stderr.lower()
+
+
 def test_a_port_in_use_makes_the_daemon_exit_non_zero():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -10,10 +10,9 @@ from pathlib import Path
 import zmq
 
 from daemon.child_process import become_child
+from daemon.exit_codes import EXIT_CONFIG_ERROR
 from daemon.logs import configure_logging
 from gpu_runtime.worker.spec import WorkerSpec
-
-EXIT_CONFIG_ERROR = 78  # EX_CONFIG: restarting cannot help, the daemon gives up and says why
 
 
 def main(argv: list[str]) -> int:

@@ -13,6 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the daemon: gRPC frontend plus one scheduler per GPU group")
     add_serve_flags(serve)
+    gateway = commands.add_parser("gateway", help="run the HTTP/SSE gateway alone, in front of a running daemon")
+    gateway.add_argument("--grpc", default="127.0.0.1:50051", help="the daemon's gRPC address")
+    gateway.add_argument("--http-port", type=int, default=8000, help="listens on 127.0.0.1")
+    gateway.add_argument("--sse-keepalive", type=float, default=5.0, help="seconds without a token before a comment")
+    gateway.add_argument("--log-level", default="info")
     generate = commands.add_parser("generate", help="stream a completion from a running daemon over gRPC")
     generate.add_argument("prompts", nargs="+", help="prompts; with --offline, generated together in one batch")
     generate.add_argument("--address", default="127.0.0.1:50051", help="the daemon's gRPC address")
@@ -36,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.serve_command import run_serve
 
         return run_serve(args)
+    if args.command == "gateway":
+        from frontend.gateway.__main__ import run_gateway
+        from frontend.gateway.spec import GatewaySpec
+
+        spec = GatewaySpec(
+            grpc_address=args.grpc, http_port=args.http_port, keepalive_s=args.sse_keepalive, log_level=args.log_level
+        )
+        return run_gateway(spec)
     if args.command == "generate":
         from daemon.generate_command import run_generate, run_offline_generate
 

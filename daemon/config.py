@@ -28,6 +28,7 @@ class ServeConfig:
     served_model_name: str | None = None  # the name clients use (one model only); default: the directory's name
     grpc_port: int = 50051  # the frontend listens on 127.0.0.1 only
     metrics_port: int = 9401  # Prometheus text on http://127.0.0.1:<port>/metrics; 0 turns it off
+    http_port: int = 8000  # the OpenAI-compatible HTTP/SSE gateway on 127.0.0.1; 0 turns it off
     state_dir: str = field(default_factory=_default_state_dir)
     device: str = "auto"  # one scheduler per entry of a comma-separated list, e.g. "cuda:0,cuda:1"
     dtype: str = "auto"
@@ -41,7 +42,7 @@ class ServeConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        for key in ("grpc_port", "metrics_port"):
+        for key in ("grpc_port", "metrics_port", "http_port"):
             value = getattr(self, key)
             low = 1 if key == "grpc_port" else 0
             _check(key, _is_int(value) and low <= value <= 65535, f"an integer in [{low}, 65535]", value)
@@ -117,6 +118,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name")
     parser.add_argument("--grpc-port", type=int)
     parser.add_argument("--metrics-port", type=int, help="0 turns /metrics off")
+    parser.add_argument("--http-port", type=int, help="the HTTP/SSE gateway's port; 0 turns the gateway off")
     parser.add_argument("--state-dir")
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N; a comma-separated list runs one scheduler each")
     parser.add_argument("--dtype")

@@ -36,6 +36,7 @@ class LocalDaemon:
     def __init__(self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None):
         self.grpc_port = free_port()
         self.metrics_port = free_port()
+        self.http_port = free_port()
         self.state_dir = tempfile.mkdtemp(prefix="tokend-test-state-")
         self.log_path = Path(self.state_dir) / "daemon.log"
         self.flags = flags
@@ -48,11 +49,17 @@ class LocalDaemon:
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def http_url(self) -> str:
+        """The gateway's base URL (OpenAI clients add /v1 themselves only if given it: use http_url + "/v1")."""
+        return f"http://127.0.0.1:{self.http_port}"
+
     def __enter__(self) -> LocalDaemon:
         command = [
             sys.executable, "-m", "daemon.cli", "serve",
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),
+            "--http-port", str(self.http_port),
             "--state-dir", self.state_dir,
             *self.flags,
         ]  # fmt: skip
@@ -63,6 +70,7 @@ class LocalDaemon:
         self.channel = grpc.insecure_channel(self.address)
         try:
             self.wait_serving(self.ready_timeout)
+            self.wait_for(self.gateway_is_serving, timeout=self.ready_timeout)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -96,6 +104,13 @@ class LocalDaemon:
             return stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
         except grpc.RpcError:
             return None
+
+    def gateway_is_serving(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
 
     def wait_serving(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -10,12 +10,14 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from daemon.children import Child
 from daemon.config import DEFAULT_MODEL_NAME, ServeConfig
 from daemon.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.systemd_notify import SystemdNotifier
+from frontend.gateway.spec import GatewaySpec
 from frontend.spec import FrontendSpec, SchedulerAddress
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -34,12 +36,13 @@ class Supervisor:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokend-", dir=_systemd_runtime_dir()))
         self.schedulers = self._scheduler_children()
         self.frontend = self._frontend_child()
+        self.gateway = self._gateway_child() if config.http_port else None
         self._stop_requested = False
         self._serving = False
 
     @property
     def children(self) -> list[Child]:
-        return [*self.schedulers, self.frontend]
+        return [*self.schedulers, self.frontend, *([self.gateway] if self.gateway else [])]
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -84,7 +87,7 @@ class Supervisor:
             self._kill_stalled_schedulers()
             if not self._serving and now >= next_probe:
                 next_probe = now + _HEALTH_PROBE_EVERY_S
-                if self._frontend_is_serving():
+                if self._frontend_is_serving() and self._gateway_is_serving():
                     self._serving = True
                     self.notifier.ready()
                     self.log.info("serving", grpc_port=self.config.grpc_port, metrics_port=self.config.metrics_port)
@@ -123,13 +126,25 @@ class Supervisor:
                 return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    def _gateway_is_serving(self) -> bool:
+        if self.gateway is None:
+            return True
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.config.http_port}/health", timeout=1.0) as reply:
+                return reply.status == 200
+        except OSError:  # refused, or an HTTP error status
+            return False
+
     # -- shutdown -------------------------------------------------------------------------------------------
 
     def _shut_down(self) -> None:
-        """Frontend first (it drains in-flight streams, which need the schedulers), then the schedulers."""
+        """Frontend first: it drains in-flight streams, which need the schedulers (and the gateway, for the HTTP
+        ones), and refuses new ones meanwhile (the gateway answers them 503). Then the gateway, then the schedulers."""
         self.notifier.stopping()
         self.log.info("draining", timeout_s=self.config.drain_timeout)
         self.frontend.stop(timeout=self.config.drain_timeout + 10.0)
+        if self.gateway is not None:
+            self.gateway.stop(timeout=10.0)
         for child in self.schedulers:
             child.signal(signal.SIGTERM)
         for child in self.schedulers:
@@ -184,6 +199,15 @@ class Supervisor:
             log_level=self.config.log_level,
         )
         return Child("frontend", "frontend", spec.to_json())
+
+    def _gateway_child(self) -> Child:
+        spec = GatewaySpec(
+            grpc_address=f"127.0.0.1:{self.config.grpc_port}",
+            http_port=self.config.http_port,
+            shutdown_timeout_s=5.0,  # by the time it is stopped, the frontend has drained
+            log_level=self.config.log_level,
+        )
+        return Child("gateway", "frontend.gateway", spec.to_json())
 
 
 def _systemd_runtime_dir() -> str | None:

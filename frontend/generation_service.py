@@ -8,12 +8,13 @@ import uuid
 
 import grpc
 
+from frontend.chat_template import ChatTemplateError
 from frontend.lifecycle import Lifecycle
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.request_stream import ChunkBuilder, FinalCounts
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
-from frontend.validation import RequestError, invalid, prepare
+from frontend.validation import RequestError, chat_messages, invalid, prepare
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
@@ -40,7 +41,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._metrics.requests_in_flight.inc()
         stream = None
         try:
-            stream, builder = self._admit(request)
+            stream, builder = await self._admit(request)
+            # Headers now: a client that sees them knows the request passed validation and is queued.
+            await context.send_initial_metadata((("x-request-id", stream.request_id), ("x-model", builder.model_name)))
             async for chunk in self._chunks(stream, builder, arrived):
                 yield chunk
         except RequestError as error:
@@ -51,13 +54,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             if stream is not None:
                 self._finish(stream, builder)
 
-    def _admit(self, request: pb.GenerateRequest) -> tuple[RequestStream, ChunkBuilder]:
+    async def _admit(self, request: pb.GenerateRequest) -> tuple[RequestStream, ChunkBuilder]:
         model_name = self._models.resolve(request.model)
         scheduler = self._link.pick_scheduler(model_name)
         if scheduler is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
         tokenizer = self._models.tokenizer(scheduler.ready)
-        prepared = prepare(request, scheduler.ready, tokenizer)
+        chat_prompt = await self._render_chat(request, scheduler.ready) if request.HasField("chat") else None
+        prepared = prepare(request, scheduler.ready, tokenizer, chat_prompt)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if self._link.is_in_flight(request_id):
             raise invalid(f"request_id: {request_id!r} is already in flight")
@@ -67,6 +71,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             "request_admitted", request_id=request_id, model=model_name, prompt_tokens=len(message.prompt_token_ids)
         )
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop)
+
+    async def _render_chat(self, request: pb.GenerateRequest, ready) -> str:
+        template = self._models.chat_template(ready)
+        if template is None:
+            raise invalid(f"chat: model {ready.model_name!r} has no chat template; send a prompt instead")
+        try:
+            return await template.render_async(chat_messages(request))
+        except ChatTemplateError as error:
+            raise invalid(f"chat.{error}") from None
 
     async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, arrived: float):
         last_token_at = None

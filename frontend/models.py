@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from frontend.chat_template import ChatTemplate
 from frontend.scheduler_link import SchedulerLink
 from frontend.validation import RequestError
 from gpu_runtime.ipc.messages import SchedulerReady
@@ -16,6 +17,7 @@ class ModelCatalog:
         self.default_model = default_model
         self.names = list(dict.fromkeys([default_model] + [s.address.model_name for s in link.schedulers]))
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._chat_templates: dict[str, ChatTemplate | None] = {}
 
     def resolve(self, requested: str) -> str:
         """The served name a request means; NOT_FOUND names the field when there is none."""
@@ -31,6 +33,11 @@ class ModelCatalog:
         if tokenizer is None:
             tokenizer = self._tokenizers[ready.model_name] = Tokenizer(ready.model_dir)
         return tokenizer
+
+    def chat_template(self, ready: SchedulerReady) -> ChatTemplate | None:
+        if ready.model_name not in self._chat_templates:
+            self._chat_templates[ready.model_name] = ChatTemplate.from_model_dir(ready.model_dir)
+        return self._chat_templates[ready.model_name]
 
     def describe(self, name: str) -> SchedulerReady | None:
         """The latest SchedulerReady of any scheduler of the model, or None when none is up."""

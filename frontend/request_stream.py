@@ -28,6 +28,7 @@ class ChunkBuilder:
     def __init__(self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str]):
         self.request_id = request_id
         self.model_name = model_name
+        self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer.backend)
         self._stop = StopStringMatcher(stop)
         self._last: RequestDelta | None = None
@@ -63,7 +64,7 @@ class ChunkBuilder:
             text=text,
             usage=usage,
             finish_reason=finish_reason or "",
-            logprobs=_logprobs(deltas),
+            logprobs=self._logprobs(deltas),
             model=self.model_name,
         )
 
@@ -75,15 +76,16 @@ class ChunkBuilder:
             return FinalCounts(reason, 0, 0, 0)
         return FinalCounts.of(last, reason)
 
-
-def _logprobs(deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=entry.token_id,
-            logprob=entry.logprob,
-            top=[pb.TopLogprob(token_id=token, logprob=value) for token, value in entry.top],
-        )
-        for delta in deltas
-        if delta.new_logprobs
-        for entry in delta.new_logprobs
-    ]
+    def _logprobs(self, deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
+        text = self._tokenizer.token_text
+        return [
+            pb.TokenLogprob(
+                token_id=entry.token_id,
+                logprob=entry.logprob,
+                token=text(entry.token_id),
+                top=[pb.TopLogprob(token_id=token, logprob=value, token=text(token)) for token, value in entry.top],
+            )
+            for delta in deltas
+            if delta.new_logprobs
+            for entry in delta.new_logprobs
+        ]

@@ -15,6 +15,7 @@ from tokend.v1 import tokend_pb2 as pb
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
+MAX_CHAT_MESSAGES = 256
 
 _PRIORITIES = {
     pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE,
@@ -44,20 +45,34 @@ class PreparedRequest:
     priority: Priority
 
 
-def prepare(request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer) -> PreparedRequest:
-    """Validates and tokenizes; raises RequestError (INVALID_ARGUMENT) naming the first bad field."""
+def prepare(
+    request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer, chat_prompt: str | None = None
+) -> PreparedRequest:
+    """Validates and tokenizes; raises RequestError (INVALID_ARGUMENT) naming the first bad field.
+
+    A chat request arrives with its conversation already rendered into `chat_prompt`."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
         raise invalid(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
     if request.priority not in _PRIORITIES:
         raise invalid(f"priority: unknown value {request.priority}")
-    params, stop = _sampling_params(request.sampling)
-    token_ids = _prompt_token_ids(request, model, tokenizer)
-    if len(token_ids) >= model.max_model_len:
-        field = "prompt" if request.WhichOneof("input") == "prompt" else "token_ids"
+    token_ids = _prompt_token_ids(request, model, tokenizer, chat_prompt)
+    room = model.max_model_len - len(token_ids)
+    if room < 1:
+        field = {"token_ids": "token_ids", "chat": "chat.messages"}.get(request.WhichOneof("input"), "prompt")
         raise invalid(
             f"{field}: {len(token_ids)} tokens leave no room to generate in the context of {model.max_model_len}"
         )
-    longest = min(len(token_ids) + params.max_tokens, model.max_model_len)
+    fill_to = None
+    if request.sampling.fill_context and not request.sampling.HasField("max_tokens"):
+        # As much as the context allows, and never more than the whole KV cache can hold.
+        fill_to = max(1, min(room, model.num_pages * model.page_size - len(token_ids)))
+    params, stop = _sampling_params(request.sampling, fill_to)
+    if params.max_tokens > room:
+        raise invalid(
+            f"sampling.max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens {params.max_tokens} exceed "
+            f"the context of {model.max_model_len} tokens"
+        )
+    longest = len(token_ids) + params.max_tokens
     pages_needed = -(-longest // model.page_size)
     if pages_needed > model.num_pages:
         raise invalid(
@@ -78,7 +93,7 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Token
     return PreparedRequest(token_ids, sampling, stop, _PRIORITIES[request.priority])
 
 
-def _sampling_params(wire: pb.SamplingParams) -> tuple[SamplingParams, list[str]]:
+def _sampling_params(wire: pb.SamplingParams, fill_to: int | None) -> tuple[SamplingParams, list[str]]:
     stop = list(wire.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
@@ -86,7 +101,7 @@ def _sampling_params(wire: pb.SamplingParams) -> tuple[SamplingParams, list[str]
         raise invalid(f"sampling.stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
     try:
         params = SamplingParams(
-            max_tokens=wire.max_tokens if wire.HasField("max_tokens") else 16,
+            max_tokens=wire.max_tokens if wire.HasField("max_tokens") else (fill_to or 16),
             temperature=wire.temperature if wire.HasField("temperature") else 1.0,
             top_p=wire.top_p if wire.HasField("top_p") else 1.0,
             top_k=wire.top_k,
@@ -101,10 +116,28 @@ def _sampling_params(wire: pb.SamplingParams) -> tuple[SamplingParams, list[str]
     return params, stop
 
 
-def _prompt_token_ids(request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer) -> list[int]:
+def chat_messages(request: pb.GenerateRequest) -> list[dict[str, str]]:
+    """The conversation of a chat request as the template expects it; INVALID_ARGUMENT names a bad message."""
+    messages = request.chat.messages
+    if not 1 <= len(messages) <= MAX_CHAT_MESSAGES:
+        raise invalid(f"chat.messages: must hold 1 to {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    for index, message in enumerate(messages):
+        if not message.role or len(message.role) > 64:
+            raise invalid(f"chat.messages[{index}].role: must be a non-empty name of at most 64 characters")
+    return [{"role": message.role, "content": message.content} for message in messages]
+
+
+def _prompt_token_ids(
+    request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer, chat_prompt: str | None
+) -> list[int]:
     which = request.WhichOneof("input")
     if which is None:
-        raise invalid("prompt: give either prompt (text) or token_ids")
+        raise invalid("prompt: give prompt (text), token_ids or chat")
+    if which == "chat":
+        token_ids = tokenizer.encode(chat_prompt or "", add_special_tokens=False)  # the template wrote the BOS
+        if not token_ids:
+            raise invalid("chat.messages: render to no tokens")
+        return token_ids
     if which == "prompt":
         if not request.prompt:
             raise invalid("prompt: must not be empty")

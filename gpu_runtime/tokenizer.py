@@ -25,8 +25,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of the text; chat prompts pass add_special_tokens=False (their template wrote the BOS)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own as text, special tokens included (for logprobs)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

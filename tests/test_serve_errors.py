@@ -43,6 +43,7 @@ def _sampling(**fields) -> pb.GenerateRequest:
         (_sampling(min_p=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_p"),
         (_sampling(max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
         (_sampling(max_tokens=1500), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
+        (_sampling(max_tokens=2047), grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens"),
         (_sampling(logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs"),
         (_sampling(stop=["x"] * 9), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
         (_sampling(stop=["x" * 300]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
@@ -76,3 +77,27 @@ def test_abort_needs_a_request_id(daemon):
         daemon.generation.Abort(pb.AbortRequest(), timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not daemon.generation.Abort(pb.AbortRequest(request_id="never-seen"), timeout=10).aborted
+
+
+@pytest.mark.parametrize(
+    ("chat", "field"),
+    [
+        (pb.ChatMessages(), "chat.messages"),
+        (pb.ChatMessages(messages=[pb.ChatMessage(role="", content="x")]), "chat.messages[0].role"),
+        (pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")] * 257), "chat.messages"),
+    ],
+)
+def test_a_bad_conversation_names_the_message(daemon, chat, field):
+    error = _error(daemon, pb.GenerateRequest(chat=chat))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith(field), error.details()
+
+
+def test_fill_context_generates_past_the_default_up_to_what_the_cache_holds(daemon):
+    request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(fill_context=True, ignore_eos=True))
+    call = daemon.generation.Generate(request, timeout=60)
+    for chunk in call:
+        if chunk.usage.completion_tokens > 16:
+            break
+    call.cancel()
+    assert chunk.usage.completion_tokens > 16

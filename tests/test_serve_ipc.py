@@ -65,9 +65,9 @@ def test_the_runtime_directory_is_private_and_only_loopback_ports_listen(daemon)
     runtime = daemon.runtime_dir()
     assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
     listening = _listening_tcp(daemon.session_pids())
-    assert listening, "the gRPC and metrics ports listen"
+    assert listening, "the gRPC, metrics and HTTP ports listen"
     assert {address for address, _ in listening} == {"127.0.0.1"}
-    assert {port for _, port in listening} == {daemon.grpc_port, daemon.metrics_port}
+    assert {port for _, port in listening} == {daemon.grpc_port, daemon.metrics_port, daemon.http_port}
 
 
 def test_messages_round_trip_and_anything_else_is_refused():

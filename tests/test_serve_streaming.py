@@ -122,3 +122,28 @@ def test_tokend_generate_streams_from_the_daemon(daemon):
     )
     assert result.returncode == 0, result.stderr
     assert "8 completion tokens" in result.stderr and DEFAULT_MODEL_NAME in result.stderr
+
+
+def test_a_chat_is_rendered_with_the_models_template(daemon):
+    tokenizer = Tokenizer(ensure_default_model())
+    chat = pb.ChatMessages(
+        messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi!")]
+    )
+    sampling = pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    chat_chunks = list(daemon.generation.Generate(pb.GenerateRequest(chat=chat, sampling=sampling), timeout=60))
+    rendered = "<|begin_of_text|><|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert prompt_ids.count(prompt_ids[0]) == 1, "one BOS: the template's, not the tokenizer's too"
+    direct = list(
+        daemon.generation.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=sampling))
+    )
+    assert chat_chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    assert [t for c in chat_chunks for t in c.token_ids] == [t for c in direct for t in c.token_ids]
+
+
+def test_logprobs_carry_each_tokens_text(daemon):
+    tokenizer = Tokenizer(ensure_default_model())
+    chunks = daemon.generate("Text", max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
+    for entry in [lp for chunk in chunks for lp in chunk.logprobs]:
+        assert entry.token == tokenizer.token_text(entry.token_id)
+        assert entry.top[0].token == tokenizer.token_text(entry.top[0].token_id)

@@ -1,0 +1,63 @@
+"""build_app: the gateway's Starlette application, with its limits, error shape and request metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from frontend.gateway.errors import OpenAIError
+from frontend.gateway.limits import RequestLimits
+from frontend.gateway.routes import GatewayRoutes
+from frontend.gateway.spec import GatewaySpec
+
+
+def build_app(spec: GatewaySpec) -> Starlette:
+    routes = GatewayRoutes(spec)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await routes.open()
+        yield
+        await routes.close()
+
+    def counted(route: str, handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except OpenAIError as error:
+                response = error.response()
+            routes.http_requests.labels(route, str(response.status_code)).inc()
+            return response
+
+        return endpoint
+
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        # Starlette's own refusals (no such route, wrong method) in OpenAI's shape too.
+        return OpenAIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").response()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", counted("/v1/completions", routes.completions), methods=["POST"]),
+            Route("/v1/chat/completions", counted("/v1/chat/completions", routes.chat_completions), methods=["POST"]),
+            Route("/v1/models", counted("/v1/models", routes.models), methods=["GET"]),
+            Route("/health", counted("/health", routes.health), methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/", routes.playground, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(
+                RequestLimits,
+                max_body_bytes=spec.max_body_bytes,
+                max_header_count=spec.max_header_count,
+                max_header_bytes=spec.max_header_bytes,
+            )
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,135 @@
+"""Builds OpenAI response bodies and stream chunks from the frontend's GenerateResponse chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tokend.v1 import tokend_pb2 as pb
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's progress: its text so far, logprobs, counts and finish reason."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    usage: pb.Usage | None = None
+    finish_reason: str | None = None
+    text_offset: int = 0  # characters emitted so far (completions logprobs' text_offset)
+
+
+class ResponseShape:
+    """The id, timestamps and model every chunk and body of one response repeats; completions or chat."""
+
+    def __init__(self, chat: bool, model: str, n: int, include_usage: bool, wants_logprobs: bool):
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        self.wants_logprobs = wants_logprobs
+        self.choices = [ChoiceState(i) for i in range(n)]
+
+    # -- streaming ----------------------------------------------------------------------------------------------
+
+    def role_chunk(self, index: int) -> dict:
+        return self._chunk(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
+
+    def chunk(self, index: int, response: pb.GenerateResponse) -> dict:
+        """Records a frontend chunk and returns the OpenAI chunk for it."""
+        choice = self.choices[index]
+        if response.model:
+            self.model = response.model
+        logprobs = self._logprobs(choice, list(response.logprobs)) if self.wants_logprobs else None
+        choice.text.append(response.text)
+        choice.logprobs.extend(response.logprobs)
+        choice.usage = response.usage
+        choice.finish_reason = response.finish_reason or None
+        if self.chat:
+            entry = {"index": index, "delta": {"content": response.text}, "logprobs": logprobs}
+        else:
+            entry = {"index": index, "text": response.text, "logprobs": logprobs}
+        entry["finish_reason"] = choice.finish_reason
+        return self._chunk([entry])
+
+    def usage_chunk(self) -> dict:
+        return {**self._header(), "choices": [], "usage": self.usage()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {**self._header(), "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return chunk
+
+    def _header(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # -- whole bodies -------------------------------------------------------------------------------------------
+
+    def body(self) -> dict:
+        choices = []
+        for choice in self.choices:
+            text = "".join(choice.text)
+            logprobs = self._logprobs(ChoiceState(choice.index), choice.logprobs) if self.wants_logprobs else None
+            entry = {"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            choices.append(entry)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict:
+        """The prompt is counted once, however many choices it had; completions add up."""
+        usages = [c.usage for c in self.choices if c.usage is not None]
+        prompt = usages[0].prompt_tokens if usages else 0
+        cached = usages[0].cached_tokens if usages else 0
+        completion = sum(u.completion_tokens for u in usages)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # -- logprobs -----------------------------------------------------------------------------------------------
+
+    def _logprobs(self, choice: ChoiceState, entries: list[pb.TokenLogprob]) -> dict:
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": e.token,
+                        "logprob": e.logprob,
+                        "bytes": list(e.token.encode()),
+                        "top_logprobs": [
+                            {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())} for t in e.top
+                        ],
+                    }
+                    for e in entries
+                ]
+            }
+        offsets = []
+        for entry in entries:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets,
+        }

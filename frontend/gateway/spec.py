@@ -1,0 +1,24 @@
+"""GatewaySpec: the gateway process's settings (JSON on its command line when the daemon spawns it)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class GatewaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    grpc_address: str  # the frontend, e.g. 127.0.0.1:50051
+    http_port: int = 8000  # listens on 127.0.0.1 only
+    max_body_bytes: int = 4 * 1024 * 1024  # the frontend's own message limit
+    max_header_count: int = 100
+    max_header_bytes: int = 32 * 1024
+    max_n: int = 8  # choices per request
+    keepalive_s: float = 5.0  # an SSE comment goes out after this long without a token (a long prefill)
+    shutdown_timeout_s: float = 30.0  # open streams get this long to end when the gateway is stopped
+    log_level: str = "info"
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> GatewaySpec:
+        return msgspec.json.decode(text, type=cls)

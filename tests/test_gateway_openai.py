@@ -1,0 +1,203 @@
+"""The HTTP/SSE gateway against a real `tokend serve`, through the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from daemon_harness import Daemon
+
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from tokend.v1 import tokend_pb2 as pb
+
+PROMPT = "The gateway streams"
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key="unused-for-now", max_retries=0) as c:
+        yield c
+
+
+def _grpc_text(daemon: Daemon, request: pb.GenerateRequest) -> str:
+    return "".join(chunk.text for chunk in daemon.generation.Generate(request, timeout=60))
+
+
+def test_completions_streamed_and_not_agree_with_grpc_and_usage_counts_the_streamed_tokens(daemon, client):
+    options = dict(
+        model=DEFAULT_MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(**options)
+    chunks = list(client.completions.create(**options, stream=True, stream_options={"include_usage": True}, logprobs=0))
+    streamed_text = "".join(c.choices[0].text for c in chunks if c.choices)
+    streamed_tokens = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs)
+    grpc_text = _grpc_text(
+        daemon,
+        pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)),
+    )
+    assert whole.choices[0].text == streamed_text == grpc_text
+    assert whole.choices[0].finish_reason == "length"
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == streamed_tokens == 24
+    assert final.usage.total_tokens == final.usage.prompt_tokens + 24
+    assert whole.usage.prompt_tokens == final.usage.prompt_tokens
+
+
+def test_chat_streamed_and_not_agree_with_grpc_chat(daemon, client):
+    options = dict(model=DEFAULT_MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**options, extra_body={"ignore_eos": True})
+    chunks = list(
+        client.chat.completions.create(
+            **options,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_tokens = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES])
+    grpc_text = _grpc_text(
+        daemon, pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    )
+    assert whole.choices[0].message.content == streamed_text == grpc_text
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == streamed_tokens == 20 == whole.usage.completion_tokens
+    assert whole.model == DEFAULT_MODEL_NAME
+
+
+def test_n_choices_with_a_seed_differ_and_repeat(client):
+    options = dict(
+        model=DEFAULT_MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        seed=5,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    first, again = client.completions.create(**options), client.completions.create(**options)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.completion_tokens == 36
+
+
+def test_models_lists_the_served_model(client):
+    (model,) = client.models.list().data
+    assert model.id == DEFAULT_MODEL_NAME and model.owned_by == "tokend"
+
+
+def test_health_and_metrics(daemon):
+    assert httpx.get(f"{daemon.http_url}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{daemon.http_url}/metrics").text
+    assert 'tokend:http_requests_total{route="/v1/completions",status="200"}' in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404, "model"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "max_tokens": 5000}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "x", "temperature": -0.5}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "x", "n": 9}).encode(), 400, "n"),
+        (json.dumps({"prompt": "x", "stop": ["s"] * 9}).encode(), 400, "stop"),
+        (json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x" * (5 << 20)}).encode(), 413, None),
+    ],
+)
+def test_bad_completion_requests_get_openai_errors(daemon, body, status, param):
+    reply = httpx.post(f"{daemon.http_url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    assert httpx.get(f"{daemon.http_url}/health").status_code == 200  # still serving
+
+
+def test_bad_chat_requests_get_openai_errors(daemon, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[], max_tokens=3)
+    assert caught.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=MESSAGES, max_completion_tokens=0)
+    assert caught.value.body["param"] == "max_completion_tokens" or "max_tokens" in caught.value.body["param"]
+
+
+def test_ten_thousand_headers_get_431_in_openai_shape(daemon):
+    headers = [(f"x-h{i}", "v") for i in range(10_000)]
+    reply = httpx.post(f"{daemon.http_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert reply.status_code == 431
+    assert "headers" in reply.json()["error"]["message"]
+    assert httpx.get(f"{daemon.http_url}/health").status_code == 200
+
+
+def test_dropping_the_connection_mid_stream_aborts_the_sequence_within_a_second(daemon):
+    body = {"prompt": PROMPT, "max_tokens": 1900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.http_url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        received = [line for _, line in zip(range(10), lines, strict=False)]
+        assert any(line.startswith("data: ") for line in received)
+        daemon.wait_for(lambda: daemon.metric("tokend:num_requests_running") > 0, timeout=5)
+    # Leaving the block closed the connection mid-stream.
+    daemon.wait_for(
+        lambda: daemon.metric("tokend:num_requests_running") == 0 and daemon.metric("tokend:kv_cache_usage_perc") == 0,
+        timeout=1.0,
+    )
+
+
+def test_a_standalone_gateway_keeps_a_quiet_stream_alive_with_comments(daemon):
+    import subprocess
+    import sys
+
+    from daemon_harness import ROOT, free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "daemon.cli", "gateway", "--grpc", daemon.address, "--http-port", str(port)]
+    gateway = subprocess.Popen([*command, "--sse-keepalive", "0.001"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        daemon.wait_for(lambda: _answers(f"{url}/health"), timeout=30)
+        # A long prompt: its prefill is a quiet spell long enough for keep-alive comments.
+        body = {"prompt": "long " * 380, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
+            lines = list(reply.iter_lines())
+        assert ": keep-alive" in lines
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_draining_server_answers_503_with_retry_after(daemon):
+    # Last in this module: the daemon stays drained.
+    daemon.admin.Drain(pb.DrainRequest(), timeout=10)
+    reply = httpx.post(f"{daemon.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert reply.status_code == 503 and reply.headers["Retry-After"] == "1"
+    assert reply.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(f"{daemon.http_url}/health").status_code == 503

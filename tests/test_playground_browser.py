@@ -1,0 +1,57 @@
+"""The playground page in a real headless Chromium: pick a model, stream a completion, press Stop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+from daemon_harness import ROOT, Daemon
+
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+
+ARTIFACTS = Path(os.environ.get("TOKEND_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        message = (
+            "SKIPPING THE BROWSER TEST: no Chromium here. scripts/test and .ci/run install Debian's `chromium` "
+            "where they may (root or passwordless sudo); install it to run this test."
+        )
+        warnings.warn(message, stacklevel=1)
+        pytest.skip(message)
+    return path
+
+
+def test_the_playground_streams_shows_its_figures_and_stops(tmp_path):
+    chromium = _chromium()
+    from playwright.sync_api import expect, sync_playwright
+
+    with Daemon() as daemon, sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            page.goto(daemon.http_url + "/")
+            expect(page.locator("#model option")).to_have_text(DEFAULT_MODEL_NAME)
+            page.fill("#prompt", "Tell me a long story.")
+            page.fill("#max-tokens", "1900")
+            page.click("#send")
+            expect(page.locator("#stats")).to_contain_text("ms to first token", timeout=20_000)
+            expect(page.locator("#stats")).to_contain_text("tokens/s")
+            page.wait_for_function("document.querySelector('#output').textContent.length > 20")
+            daemon.wait_for(lambda: daemon.metric("tokend:num_requests_running") > 0, timeout=5)
+            page.click("#stop")
+            expect(page.locator("#stats")).to_contain_text("stopped")
+            daemon.wait_for(lambda: daemon.metric("tokend:num_requests_running") == 0, timeout=1.0)
+            expect(page.locator("#send")).to_be_enabled()
+            expect(page.locator("#error")).to_have_text("")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "playground.png").stat().st_size > 10_000

@@ -1,12 +1,13 @@
 """What the daemon adds on top of the engine: output tokens/s at 32 concurrent gRPC streams versus the same
-workload on the in-process engine, the added time to first token at low load, and how long a client's
-cancel takes to reach the scheduler. Prints JSON.
+workload on the in-process engine, the same streams through the HTTP/SSE gateway versus direct gRPC, the
+added time to first token at low load, and how long a client's cancel takes to reach the scheduler. Prints JSON.
 
     .venv/bin/python scripts/bench_overhead.py [--streams 32] [--output-len 128] [--out result.json]
 
 On a machine with two or more cores, the engine gets core 1 with one torch thread in both setups (the
-in-process engine, and the daemon's scheduler process); the frontend and this client share core 0. So the
-engine's compute is the same in both, and the ratio shows what the processes, gRPC and ZeroMQ cost it.
+in-process engine, and the daemon's scheduler process); the frontend, the gateway and this client share core 0.
+So the engine's compute is the same in every setup, and the ratios show what the processes, gRPC, ZeroMQ and
+HTTP/SSE cost it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 import grpc
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -90,6 +92,35 @@ async def grpc_throughput(address: str, prompts: list[list[int]], output_len: in
             async for chunk in stub.Generate(request):
                 num_tokens += len(chunk.token_ids)
             return num_tokens
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(stream(p) for p in prompts))
+        seconds = time.perf_counter() - started
+    return {"output_tokens": sum(counts), "seconds": seconds, "tokens_per_s": sum(counts) / seconds}
+
+
+async def gateway_throughput(base_url: str, prompts: list[list[int]], output_len: int) -> dict:
+    """The same streams as OpenAI completions over HTTP/SSE; every event is parsed, as a real client does."""
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
+
+        async def stream(prompt: list[int]) -> int:
+            body = {
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            completion_tokens = 0
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            completion_tokens = chunk["usage"]["completion_tokens"]
+            return completion_tokens
 
         started = time.perf_counter()
         counts = await asyncio.gather(*(stream(p) for p in prompts))
@@ -180,12 +211,13 @@ def main() -> int:
             if pinned:
                 for scheduler in daemon.child_pids("tokend: scheduler"):
                     pin(scheduler, ENGINE_CORE)
-                for frontend in daemon.child_pids("tokend: frontend"):
-                    pin(frontend, OVERHEAD_CORE)
-            in_process_runs, grpc_runs = [], []
+                for overhead in daemon.child_pids("tokend: frontend") + daemon.child_pids("tokend: gateway"):
+                    pin(overhead, OVERHEAD_CORE)
+            in_process_runs, grpc_runs, gateway_runs = [], [], []
             # Warm both paths once, then alternate, so that machine noise hits both alike.
             in_process_throughput(engine, prompts[:4], 8, "warm")
             asyncio.run(grpc_throughput(daemon.address, prompts[:4], 8))
+            asyncio.run(gateway_throughput(daemon.http_url, prompts[:4], 8))
             for round_index in range(args.rounds):
                 if pinned:
                     pin(os.getpid(), ENGINE_CORE)
@@ -193,9 +225,11 @@ def main() -> int:
                 if pinned:
                     pin(os.getpid(), OVERHEAD_CORE)
                 grpc_runs.append(asyncio.run(grpc_throughput(daemon.address, prompts, args.output_len)))
+                gateway_runs.append(asyncio.run(gateway_throughput(daemon.http_url, prompts, args.output_len)))
                 log(
                     f"round {round_index}: in-process {in_process_runs[-1]['tokens_per_s']:.0f} tok/s, "
-                    f"gRPC {grpc_runs[-1]['tokens_per_s']:.0f} tok/s"
+                    f"gRPC {grpc_runs[-1]['tokens_per_s']:.0f} tok/s, "
+                    f"gateway {gateway_runs[-1]['tokens_per_s']:.0f} tok/s"
                 )
             if pinned:
                 pin(os.getpid(), ENGINE_CORE)
@@ -207,6 +241,7 @@ def main() -> int:
 
     in_process_best = max(run["tokens_per_s"] for run in in_process_runs)
     grpc_best = max(run["tokens_per_s"] for run in grpc_runs)
+    gateway_best = max(run["tokens_per_s"] for run in gateway_runs)
     p50_in_process, p50_grpc = statistics.median(ttft_in_process), statistics.median(ttft_grpc)
     emit_json(
         {
@@ -216,7 +251,8 @@ def main() -> int:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "placement": (
-                f"engine on core {ENGINE_CORE} with 1 torch thread in both setups; frontend and client on core "
+                f"engine on core {ENGINE_CORE} with 1 torch thread in every setup; frontend, gateway and client "
+                f"on core "
                 f"{OVERHEAD_CORE}"
                 if pinned
                 else "unpinned"
@@ -227,6 +263,10 @@ def main() -> int:
             "grpc_tokens_per_s": grpc_best,
             "throughput_ratio": grpc_best / in_process_best,
             "throughput_ratio_target": 0.9,
+            "gateway_runs": gateway_runs,
+            "gateway_tokens_per_s": gateway_best,
+            "gateway_vs_grpc_ratio": gateway_best / grpc_best,
+            "gateway_vs_grpc_ratio_target": 0.85,
             "ttft_p50_ms": {"in_process": 1e3 * p50_in_process, "grpc": 1e3 * p50_grpc},
             "ttft_p90_ms": {
                 "in_process": 1e3 * statistics.quantiles(ttft_in_process, n=10)[-1],

@@ -19,7 +19,7 @@ RUN pip install --no-cache-dir .
 RUN useradd --system --create-home tokend
 USER tokend
 ENV TOKEND_CACHE_DIR=/home/tokend/.cache/tokend
-EXPOSE 50051 9401
+EXPOSE 50051 8000 9401
 # `tokend serve` drains on SIGTERM (docker stop): give it more than --drain-timeout with `docker stop -t 60`.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["tokend"]

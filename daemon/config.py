@@ -12,6 +12,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from frontend.spec import TenantSpec
+
 DEFAULT_MODEL_NAME = "tokend-tiny-random"  # gpu_runtime.default_model's; repeated to keep torch out of here
 
 
@@ -40,6 +44,7 @@ class ServeConfig:
     drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     stall_timeout: float = 120.0  # a scheduler loop stuck this long is killed and restarted
     log_level: str = "info"
+    tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables in the TOML file; none: authentication is off
 
     def __post_init__(self) -> None:
         for key in ("grpc_port", "metrics_port", "http_port"):
@@ -85,6 +90,7 @@ class ServeConfig:
                 "seconds >= 0",
                 value,
             )
+        _check_tenants(self.tenants)
         _check(
             "log_level",
             self.log_level in ("debug", "info", "warning", "error"),
@@ -143,6 +149,8 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
             values[f.name] = flag_value
     if isinstance(values.get("model"), str):
         values["model"] = [values["model"]]
+    if "tenants" in values:
+        values["tenants"] = _tenant_specs(values["tenants"])
     if "model" in values:
         _check("model", isinstance(values["model"], list), "a path or a list of paths", values["model"])
         values["model"] = tuple(values["model"])
@@ -162,6 +170,45 @@ def _read_toml(path: Path) -> dict[str, object]:
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown key in {path}; known keys: {sorted(known)}")
     return data
+
+
+def _tenant_specs(tables: object) -> tuple[TenantSpec, ...]:
+    _check("tenants", isinstance(tables, list), "a list of [[tenants]] tables", tables)
+    specs = []
+    for index, table in enumerate(tables):
+        try:
+            specs.append(msgspec.convert(table, TenantSpec))
+        except msgspec.ValidationError as error:
+            raise ValueError(f"tenants[{index}]: {error}") from None
+    return tuple(specs)
+
+
+def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:
+    names, hashes = set(), set()
+    for index, tenant in enumerate(tenants):
+        key = f"tenants[{index}]"
+        _check(f"{key}.name", bool(tenant.name) and tenant.name not in names, "a unique, non-empty name", tenant.name)
+        digest = tenant.api_key_sha256
+        _check(
+            f"{key}.api_key_sha256",
+            len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) and digest not in hashes,
+            "the lowercase hex SHA-256 of the key (sha256sum prints it), unique",
+            "<hidden>",
+        )
+        for name in ("priority", "max_priority"):
+            value = getattr(tenant, name)
+            _check(f"{key}.{name}", value in ("interactive", "batch"), "interactive|batch", value)
+        _check(
+            f"{key}.priority",
+            not (tenant.priority == "interactive" and tenant.max_priority == "batch"),
+            "no more urgent than max_priority",
+            tenant.priority,
+        )
+        for name in ("max_concurrent", "tokens_per_minute"):
+            value = getattr(tenant, name)
+            _check(f"{key}.{name}", value >= 0, "an integer >= 0 (0 = unlimited)", value)
+        names.add(tenant.name)
+        hashes.add(digest)
 
 
 def _is_int(value: object) -> bool:

@@ -48,6 +48,13 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
         self.log.info("starting", runtime_dir=str(self.runtime_dir), schedulers=[c.name for c in self.schedulers])
+        if not self.config.tenants:
+            self.log.warning(
+                "AUTHENTICATION_IS_OFF",
+                detail="no [[tenants]] in the config: anyone who reaches the gRPC or HTTP port may use every model",
+            )
+        else:
+            self.log.info("authentication_on", tenants=[t.name for t in self.config.tenants])
         try:
             for child in self.children:
                 child.start()
@@ -197,6 +204,7 @@ class Supervisor:
             default_model=self._served_models()[0][0],
             drain_timeout_s=self.config.drain_timeout,
             log_level=self.config.log_level,
+            tenants=list(self.config.tenants),
         )
         return Child("frontend", "frontend", spec.to_json())
 

@@ -14,6 +14,8 @@ from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.request_stream import ChunkBuilder, FinalCounts
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
+from frontend.spec import TenantSpec
+from frontend.tenants import Authenticator, resolve_priority
 from frontend.validation import RequestError, chat_messages, invalid, prepare
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
 from tokend.v1 import tokend_pb2 as pb
@@ -24,8 +26,17 @@ _SETTLE_TIMEOUT_S = 10.0
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, link: SchedulerLink, models: ModelCatalog, lifecycle: Lifecycle, metrics: FrontendMetrics, log):
+    def __init__(
+        self,
+        link: SchedulerLink,
+        models: ModelCatalog,
+        lifecycle: Lifecycle,
+        metrics: FrontendMetrics,
+        authenticator: Authenticator,
+        log,
+    ):
         self._link = link
+        self._authenticator = authenticator
         self._models = models
         self._lifecycle = lifecycle
         self._metrics = metrics
@@ -41,7 +52,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._metrics.requests_in_flight.inc()
         stream = None
         try:
-            stream, builder = await self._admit(request)
+            tenant = self._authenticator.authenticate(context.invocation_metadata())
+            stream, builder = await self._admit(request, tenant)
             # Headers now: a client that sees them knows the request passed validation and is queued.
             await context.send_initial_metadata((("x-request-id", stream.request_id), ("x-model", builder.model_name)))
             async for chunk in self._chunks(stream, builder, arrived):
@@ -54,8 +66,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             if stream is not None:
                 self._finish(stream, builder)
 
-    async def _admit(self, request: pb.GenerateRequest) -> tuple[RequestStream, ChunkBuilder]:
+    async def _admit(
+        self, request: pb.GenerateRequest, tenant: TenantSpec | None
+    ) -> tuple[RequestStream, ChunkBuilder]:
         model_name = self._models.resolve(request.model)
+        if tenant is not None and not tenant.may_use(model_name):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED, f"model: tenant {tenant.name!r} may not use {model_name!r}"
+            )
         scheduler = self._link.pick_scheduler(model_name)
         if scheduler is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
@@ -65,8 +83,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if self._link.is_in_flight(request_id):
             raise invalid(f"request_id: {request_id!r} is already in flight")
-        message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(prepared.priority))
-        stream = self._link.submit(scheduler, message)
+        priority = resolve_priority(tenant, prepared.priority)
+        message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
+        stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
         self._log.info(
             "request_admitted", request_id=request_id, model=model_name, prompt_tokens=len(message.prompt_token_ids)
         )
@@ -145,11 +164,18 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        tenant = self._authenticator.authenticate(context.invocation_metadata())
+        owner = self._link.owner(request.request_id)
+        if tenant is not None and owner != tenant.name:
+            return pb.AbortResponse(aborted=False)  # another tenant's request is none of this caller's business
         return pb.AbortResponse(aborted=self._link.abort(request.request_id))
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        tenant = self._authenticator.authenticate(context.invocation_metadata())
         models = []
         for name in self._models.names:
+            if tenant is not None and not tenant.may_use(name):
+                continue
             ready = self._models.describe(name)
             models.append(
                 pb.ModelInfo(

@@ -59,6 +59,7 @@ class RequestStream:
     request_id: str
     scheduler: SchedulerState
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | SchedulerLost
+    tenant: str | None = None  # who sent it (None while authentication is off)
     finished: bool = False  # the scheduler sent its final delta
     lost: bool = False  # the scheduler died (or the frontend gave up on it): no final delta will come
 
@@ -106,12 +107,16 @@ class SchedulerLink:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def submit(self, scheduler: SchedulerState, message: AddRequest) -> RequestStream:
-        stream = RequestStream(message.request_id, scheduler)
+    def submit(self, scheduler: SchedulerState, message: AddRequest, tenant: str | None = None) -> RequestStream:
+        stream = RequestStream(message.request_id, scheduler, tenant=tenant)
         self._streams[message.request_id] = stream
         scheduler.requests.add(message.request_id)
         self._send(scheduler, message)
         return stream
+
+    def owner(self, request_id: str) -> str | None:
+        stream = self._streams.get(request_id)
+        return stream.tenant if stream else None
 
     def abort(self, request_id: str) -> bool:
         """Asks the request's scheduler to drop it; its final counts still arrive on its stream."""

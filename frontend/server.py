@@ -10,12 +10,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.admin_service import AdminService
+from frontend.auth_interceptor import AuthInterceptor
 from frontend.generation_service import GenerationService
 from frontend.lifecycle import Lifecycle
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import FrontendSpec
+from frontend.tenants import Authenticator
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -34,14 +36,18 @@ async def serve(spec: FrontendSpec, log) -> None:
     link.on_load = lambda state, report: metrics.observe_load(state.address.model_name, state.address.group, report)
     link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
     models = ModelCatalog(link, spec.default_model)
+    authenticator = Authenticator(spec.tenants)
 
     server = grpc.aio.server(
+        interceptors=[AuthInterceptor(authenticator)],
         options=[
             ("grpc.max_receive_message_length", spec.max_request_bytes),
             ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
-        ]
+        ],
     )
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(link, models, lifecycle, metrics, log), server)
+    pb_grpc.add_GenerationServicer_to_server(
+        GenerationService(link, models, lifecycle, metrics, authenticator, log), server
+    )
     pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = [

@@ -12,6 +12,20 @@ class SchedulerAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     input_address: str  # ipc:// the scheduler binds
 
 
+class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    api_key_sha256: str  # hex SHA-256 of the key
+    priority: str = "interactive"  # the class its requests get when they do not ask for one
+    max_priority: str = "interactive"  # the most urgent class it may ask for
+    max_concurrent: int = 0  # requests in flight at once; 0 = unlimited
+    tokens_per_minute: int = 0  # prompt plus completion tokens; 0 = unlimited
+    models: list[str] = []  # the models it may use; empty = all
+    admin: bool = False  # may call the Admin service
+
+    def may_use(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
 class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grpc_port: int
     metrics_port: int | None  # None: no /metrics endpoint
@@ -21,6 +35,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    tenants: list[TenantSpec] = []  # empty: authentication is off
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -18,7 +18,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_CHAT_MESSAGES = 256
 
 _PRIORITIES = {
-    pb.PRIORITY_UNSPECIFIED: Priority.INTERACTIVE,
+    pb.PRIORITY_UNSPECIFIED: None,  # the tenant's default class
     pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
     pb.PRIORITY_BATCH: Priority.BATCH,
 }
@@ -42,7 +42,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: Sampling
     stop: list[str]
-    priority: Priority
+    priority: Priority | None  # None: the request did not ask for a class
 
 
 def prepare(

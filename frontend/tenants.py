@@ -1,0 +1,61 @@
+"""Tenants and their API keys: who is calling, and what they may use.
+
+Keys are never held in clear: the config carries each key's SHA-256, and a presented key is hashed and then
+compared with every configured hash in constant time, so timing reveals neither a key nor which tenant matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+import grpc
+
+from frontend.spec import TenantSpec
+from frontend.validation import RequestError
+from gpu_runtime.sequence import Priority
+
+PRIORITY_NAMES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
+
+
+class Authenticator:
+    """Finds the tenant of a call from its `authorization: Bearer <key>` metadata."""
+
+    def __init__(self, tenants: list[TenantSpec]):
+        self.tenants = tenants
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants)
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> TenantSpec | None:
+        """The calling tenant; None when authentication is off. UNAUTHENTICATED for a missing or unknown key."""
+        if not self.enabled:
+            return None
+        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        if isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        if not value or not value.startswith("Bearer ") or not value[7:].strip():
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: send 'Bearer <API key>'")
+        digest = hashlib.sha256(value[7:].strip().encode()).hexdigest()
+        match = None
+        for tenant in self.tenants:  # no early exit: every hash is compared, in constant time
+            if hmac.compare_digest(digest, tenant.api_key_sha256):
+                match = tenant
+        if match is None:
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: unknown API key")
+        return match
+
+
+def resolve_priority(tenant: TenantSpec | None, requested: Priority | None) -> Priority:
+    """The class a request runs in: what it asked for, else its tenant's default; never above the tenant's max."""
+    if tenant is None:
+        return requested if requested is not None else Priority.INTERACTIVE
+    priority = requested if requested is not None else PRIORITY_NAMES[tenant.priority]
+    if priority < PRIORITY_NAMES[tenant.max_priority]:  # lower value = more urgent
+        raise RequestError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"priority: tenant {tenant.name!r} may not ask for {priority.name.lower()} (at most {tenant.max_priority})",
+        )
+    return priority

@@ -18,6 +18,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--http-port", type=int, default=8000, help="listens on 127.0.0.1")
     gateway.add_argument("--sse-keepalive", type=float, default=5.0, help="seconds without a token before a comment")
     gateway.add_argument("--log-level", default="info")
+    usage = commands.add_parser("usage", help="token usage per tenant, from the usage ledger in the state directory")
+    usage.add_argument("--state-dir", required=True)
+    usage.add_argument("--since", default=None, help="ISO time (2026-11-29T10:00:00Z) or unix seconds")
+    usage.add_argument("--json", action="store_true", help="print JSON")
     generate = commands.add_parser("generate", help="stream a completion from a running daemon over gRPC")
     generate.add_argument("prompts", nargs="+", help="prompts; with --offline, generated together in one batch")
     generate.add_argument("--address", default="127.0.0.1:50051", help="the daemon's gRPC address")
@@ -41,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.serve_command import run_serve
 
         return run_serve(args)
+    if args.command == "usage":
+        from daemon.usage_command import run_usage
+
+        try:
+            return run_usage(args)
+        except ValueError as error:
+            print(f"tokend usage: {error}", file=sys.stderr)
+            return 2
     if args.command == "gateway":
         from frontend.gateway.__main__ import run_gateway
         from frontend.gateway.spec import GatewaySpec

@@ -205,6 +205,7 @@ class Supervisor:
             drain_timeout_s=self.config.drain_timeout,
             log_level=self.config.log_level,
             tenants=list(self.config.tenants),
+            state_dir=self.config.state_dir,
         )
         return Child("frontend", "frontend", spec.to_json())
 

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from pathlib import Path
 
 import grpc
 
 from frontend.lifecycle import Lifecycle
 from frontend.scheduler_link import SchedulerLink
+from frontend.usage_ledger import connect, summarize
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, link: SchedulerLink, lifecycle: Lifecycle):
+    def __init__(self, link: SchedulerLink, lifecycle: Lifecycle, ledger_path: Path):
         self._link = link
         self._lifecycle = lifecycle
+        self._ledger_path = ledger_path
+
+    async def GetUsage(self, request: pb.GetUsageRequest, context: grpc.aio.ServicerContext) -> pb.GetUsageResponse:
+        def read() -> dict[str, dict[str, int]]:
+            with contextlib.closing(connect(self._ledger_path, read_only=True)) as connection:
+                return summarize(connection, request.since_unix)
+
+        totals = await asyncio.to_thread(read)
+        return pb.GetUsageResponse(tenants={name: pb.TenantUsage(**usage) for name, usage in totals.items()})
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         await self._lifecycle.begin_drain()

@@ -10,12 +10,14 @@ import grpc
 
 from frontend.chat_template import ChatTemplateError
 from frontend.lifecycle import Lifecycle
+from frontend.metering import Meter, status_of
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.request_stream import ChunkBuilder, FinalCounts
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
 from frontend.spec import TenantSpec
 from frontend.tenants import Authenticator, resolve_priority
+from frontend.usage_ledger import UsageRecord
 from frontend.validation import RequestError, chat_messages, invalid, prepare
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
 from tokend.v1 import tokend_pb2 as pb
@@ -33,8 +35,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         lifecycle: Lifecycle,
         metrics: FrontendMetrics,
         authenticator: Authenticator,
+        meter: Meter,
         log,
     ):
+        self._meter = meter
         self._link = link
         self._authenticator = authenticator
         self._models = models
@@ -51,24 +55,26 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(error.code, error.message)
         self._metrics.requests_in_flight.inc()
         stream = None
+        outcome = "cancelled"  # unless it finishes or fails: the client went away, or its deadline passed
         try:
             tenant = self._authenticator.authenticate(context.invocation_metadata())
-            stream, builder = await self._admit(request, tenant)
+            stream, builder, record = await self._admit(request, tenant)
             # Headers now: a client that sees them knows the request passed validation and is queued.
             await context.send_initial_metadata((("x-request-id", stream.request_id), ("x-model", builder.model_name)))
-            async for chunk in self._chunks(stream, builder, arrived):
+            async for chunk in self._chunks(stream, builder, record, arrived):
                 yield chunk
         except RequestError as error:
+            outcome = "error"
             await context.abort(error.code, error.message)
         finally:
             self._metrics.requests_in_flight.dec()
             self._lifecycle.leave()
             if stream is not None:
-                self._finish(stream, builder)
+                self._finish(stream, builder, record, outcome)
 
     async def _admit(
         self, request: pb.GenerateRequest, tenant: TenantSpec | None
-    ) -> tuple[RequestStream, ChunkBuilder]:
+    ) -> tuple[RequestStream, ChunkBuilder, UsageRecord]:
         model_name = self._models.resolve(request.model)
         if tenant is not None and not tenant.may_use(model_name):
             raise RequestError(
@@ -89,7 +95,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._log.info(
             "request_admitted", request_id=request_id, model=model_name, prompt_tokens=len(message.prompt_token_ids)
         )
-        return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop)
+        record = self._meter.open(request_id, tenant.name if tenant else None, model_name, priority)
+        return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record
 
     async def _render_chat(self, request: pb.GenerateRequest, ready) -> str:
         template = self._models.chat_template(ready)
@@ -100,12 +107,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ChatTemplateError as error:
             raise invalid(f"chat.{error}") from None
 
-    async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, arrived: float):
+    async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, arrived: float):
         last_token_at = None
         while not builder.finished:
             deltas = await _next_deltas(stream)
             now = time.monotonic()
             chunk = builder.build(deltas)
+            self._meter.progress(record, builder.counts())
             if builder.stopped_by_string and not stream.finished:
                 self._link.abort(stream.request_id)  # the rest of the generation is unwanted
             num_tokens = len(chunk.token_ids)
@@ -120,20 +128,22 @@ class GenerationService(pb_grpc.GenerationServicer):
                 last_token_at = now
             if builder.finished:
                 self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
+                # Committed before the client can see the end: no finished request is ever missing from the ledger.
+                await self._meter.close(record, status_of(builder.finish_reason), builder.final_counts())
             yield chunk
 
-    def _finish(self, stream: RequestStream, builder: ChunkBuilder) -> None:
-        """Records the request's counts; a request that did not run to its end is aborted and settled first."""
-        if stream.finished:
-            self._record(stream, builder.final_counts())
+    def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
+        """A request that did not run to its end is aborted, and metered once its scheduler has said what it
+        really computed (tokens generated before the abort took effect included)."""
+        if record.status != "running":
+            self._link.forget(stream)
             return
         self._link.abort(stream.request_id)
-        task = asyncio.get_running_loop().create_task(self._settle(stream, builder))
+        task = asyncio.get_running_loop().create_task(self._settle(stream, builder, record, outcome))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, stream: RequestStream, builder: ChunkBuilder) -> None:
-        """Waits for the scheduler's final counts of an aborted request: they are what it really computed."""
+    async def _settle(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
         counts = builder.final_counts()
         while not stream.finished and not stream.lost and (remaining := deadline - time.monotonic()) > 0:
@@ -143,23 +153,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 break
             if isinstance(item, SchedulerLost):
                 break
-            counts = FinalCounts.of(item, builder.finish_reason or "abort")
-        self._record(stream, counts)
-
-    def _record(self, stream: RequestStream, counts: FinalCounts) -> None:
+            counts = FinalCounts.of(item, "abort")
         self._link.forget(stream)
-        model = stream.scheduler.address.model_name
-        self._metrics.prompt_tokens.labels(model).inc(counts.prompt_tokens)
-        self._metrics.generation_tokens.labels(model).inc(counts.completion_tokens)
-        self._metrics.request_success.labels(model, counts.finish_reason).inc()
-        self._log.info(
-            "request_finished",
-            request_id=stream.request_id,
-            finish_reason=counts.finish_reason,
-            prompt_tokens=counts.prompt_tokens,
-            completion_tokens=counts.completion_tokens,
-            cached_tokens=counts.cached_tokens,
-        )
+        await self._meter.close(record, outcome, counts)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:

@@ -68,6 +68,19 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             "tokend:e2e_request_latency_seconds", "Arrival to last token", model, buckets=_E2E_BUCKETS, registry=r
         )
+        tenant = ["tenant", "model_name"]
+        self.tenant_requests = Counter(
+            "tokend:tenant_requests", "Requests per tenant by ledger status", [*tenant, "status"], registry=r
+        )
+        self.tenant_prompt_tokens = Counter(
+            "tokend:tenant_prompt_tokens", "Prompt tokens per tenant", tenant, registry=r
+        )
+        self.tenant_completion_tokens = Counter(
+            "tokend:tenant_completion_tokens", "Completion tokens per tenant", tenant, registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "tokend:tenant_cached_tokens", "Prompt tokens served from the prefix cache, per tenant", tenant, registry=r
+        )
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}

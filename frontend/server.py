@@ -13,11 +13,13 @@ from frontend.admin_service import AdminService
 from frontend.auth_interceptor import AuthInterceptor
 from frontend.generation_service import GenerationService
 from frontend.lifecycle import Lifecycle
+from frontend.metering import Meter
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import FrontendSpec
 from frontend.tenants import Authenticator
+from frontend.usage_ledger import UsageLedger
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -37,6 +39,8 @@ async def serve(spec: FrontendSpec, log) -> None:
     link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
     models = ModelCatalog(link, spec.default_model)
     authenticator = Authenticator(spec.tenants)
+    ledger = UsageLedger(spec.state_dir, log)
+    meter = Meter(ledger, metrics, log)
 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(authenticator)],
@@ -46,9 +50,9 @@ async def serve(spec: FrontendSpec, log) -> None:
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(link, models, lifecycle, metrics, authenticator, log), server
+        GenerationService(link, models, lifecycle, metrics, authenticator, meter, log), server
     )
-    pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle, ledger.path), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = [
         pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -64,6 +68,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     await lifecycle.refresh_health()  # NOT_SERVING until every scheduler said it is ready
     await link.start()
     await server.start()
+    checkpoints = asyncio.create_task(meter.checkpoint_forever(), name="usage-checkpoints")
     if spec.metrics_port is not None:
         try:
             metrics.serve(spec.metrics_port)
@@ -84,5 +89,8 @@ async def serve(spec: FrontendSpec, log) -> None:
         link.fail_all("server is shutting down; retry on another instance")
         await lifecycle.wait_idle(5.0)
     await server.stop(grace=2.0)
+    await asyncio.sleep(0.5)  # aborted requests' final counts arrive and are metered
+    checkpoints.cancel()
     link.close()
+    ledger.close()
     log.info("frontend_stopped")

@@ -36,6 +36,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     tenants: list[TenantSpec] = []  # empty: authentication is off
+    state_dir: str = "."  # where the usage ledger lives
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

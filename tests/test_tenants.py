@@ -105,11 +105,10 @@ def test_the_gateway_passes_the_key_and_maps_refusals(daemon):
     with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEYS["alpha"], max_retries=0) as client:
         reply = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
         assert reply.usage.completion_tokens >= 1
-    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key="sk-wrong", max_retries=0) as client:
-        with pytest.raises(openai.AuthenticationError):
-            client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
-    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEYS["gamma"], max_retries=0) as client:
-        with pytest.raises(openai.PermissionDeniedError):
+    refusals = [("sk-wrong", openai.AuthenticationError), (KEYS["gamma"], openai.PermissionDeniedError)]
+    for key, refusal in refusals:
+        client = openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=key, max_retries=0)
+        with client, pytest.raises(refusal):
             client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
     assert httpx.get(f"{daemon.http_url}/v1/models").status_code == 401
     assert httpx.get(f"{daemon.http_url}/health").status_code == 200

@@ -1,0 +1,89 @@
+"""Meter: the usage of every admitted request, as its scheduler counted it, in the ledger and in metrics alike."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+
+from frontend.metrics import FrontendMetrics
+from frontend.request_stream import FinalCounts
+from frontend.usage_ledger import UsageLedger, UsageRecord
+from gpu_runtime.sequence import Priority
+
+CHECKPOINT_EVERY_S = 1.0
+
+
+def status_of(finish_reason: str) -> str:
+    """A request that ran to its end finished; one ended by an abort was cancelled."""
+    return "cancelled" if finish_reason == "abort" else "finished"
+
+
+class Meter:
+    def __init__(self, ledger: UsageLedger, metrics: FrontendMetrics, log):
+        self._ledger = ledger
+        self._metrics = metrics
+        self._log = log
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]  # record ids stay unique across frontend restarts
+        self._running: dict[str, UsageRecord] = {}
+
+    def open(self, request_id: str, tenant: str | None, model: str, priority: Priority) -> UsageRecord:
+        now = time.time()
+        record = UsageRecord(
+            record_id=f"{self._prefix}-{next(self._ids)}",
+            request_id=request_id,
+            tenant=tenant or "",
+            model=model,
+            priority=priority.name.lower(),
+            status="running",
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            started_at=now,
+            updated_at=now,
+        )
+        self._running[record.record_id] = record
+        self._ledger.checkpoint([record])
+        return record
+
+    def progress(self, record: UsageRecord, counts: FinalCounts) -> None:
+        record.prompt_tokens, record.completion_tokens = counts.prompt_tokens, counts.completion_tokens
+        record.cached_tokens = counts.cached_tokens
+        record.updated_at = time.time()
+
+    async def close(self, record: UsageRecord, status: str, counts: FinalCounts) -> None:
+        """Commits the final row (once) and counts it in the metrics with the very same numbers."""
+        if record.status != "running":
+            return
+        self.progress(record, counts)
+        record.status, record.finished_at = status, record.updated_at
+        self._running.pop(record.record_id, None)
+        await self._ledger.commit(record)
+        labels = (record.tenant, record.model)
+        m = self._metrics
+        m.tenant_requests.labels(*labels, status).inc()
+        m.tenant_prompt_tokens.labels(*labels).inc(record.prompt_tokens)
+        m.tenant_completion_tokens.labels(*labels).inc(record.completion_tokens)
+        m.tenant_cached_tokens.labels(*labels).inc(record.cached_tokens)
+        m.prompt_tokens.labels(record.model).inc(record.prompt_tokens)
+        m.generation_tokens.labels(record.model).inc(record.completion_tokens)
+        m.request_success.labels(record.model, counts.finish_reason).inc()
+        self._log.info(
+            "request_finished",
+            request_id=record.request_id,
+            tenant=record.tenant,
+            status=status,
+            finish_reason=counts.finish_reason,
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            cached_tokens=record.cached_tokens,
+        )
+
+    async def checkpoint_forever(self) -> None:
+        """Every second, the counts so far of every running request reach the ledger."""
+        while True:
+            await asyncio.sleep(CHECKPOINT_EVERY_S)
+            if self._running:
+                self._ledger.checkpoint(list(self._running.values()))

@@ -26,6 +26,15 @@ def _default_state_dir() -> str:
     return str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "tokend")
 
 
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One served model: a `[[models]]` table of the TOML file."""
+
+    name: str  # what clients put in `model`
+    path: str | None = None  # a Hugging Face directory; unset: the embedded default model
+    aliases: list[str] = []  # other names that reach it
+    groups: list[str] = []  # devices, one scheduler each; empty: those of `device`
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     model: tuple[str, ...] = ()  # Hugging Face directories; empty serves the embedded default model
@@ -44,6 +53,7 @@ class ServeConfig:
     drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     stall_timeout: float = 120.0  # a scheduler loop stuck this long is killed and restarted
     log_level: str = "info"
+    models: tuple[ModelSpec, ...] = ()  # [[models]] tables: several models, each with its name, aliases, groups
     tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables in the TOML file; none: authentication is off
 
     def __post_init__(self) -> None:
@@ -91,12 +101,21 @@ class ServeConfig:
                 value,
             )
         _check_tenants(self.tenants)
+        _check_models(self.models, bool(self.model))
         _check(
             "log_level",
             self.log_level in ("debug", "info", "warning", "error"),
             "debug|info|warning|error",
             self.log_level,
         )
+
+    def served_models(self) -> list[ModelSpec]:
+        """Every model to serve, the default first: [[models]], else --model paths, else the embedded model."""
+        if self.models:
+            return list(self.models)
+        if self.model:
+            return [ModelSpec(self.served_model_name or Path(path).name, path) for path in self.model]
+        return [ModelSpec(DEFAULT_MODEL_NAME)]
 
     @property
     def devices(self) -> list[str]:
@@ -150,7 +169,9 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if isinstance(values.get("model"), str):
         values["model"] = [values["model"]]
     if "tenants" in values:
-        values["tenants"] = _tenant_specs(values["tenants"])
+        values["tenants"] = _tables(values["tenants"], TenantSpec, "tenants")
+    if "models" in values:
+        values["models"] = _tables(values["models"], ModelSpec, "models")
     if "model" in values:
         _check("model", isinstance(values["model"], list), "a path or a list of paths", values["model"])
         values["model"] = tuple(values["model"])
@@ -172,15 +193,30 @@ def _read_toml(path: Path) -> dict[str, object]:
     return data
 
 
-def _tenant_specs(tables: object) -> tuple[TenantSpec, ...]:
-    _check("tenants", isinstance(tables, list), "a list of [[tenants]] tables", tables)
+def _tables(tables: object, spec_type: type, key: str) -> tuple:
+    _check(key, isinstance(tables, list), f"a list of [[{key}]] tables", tables)
     specs = []
     for index, table in enumerate(tables):
         try:
-            specs.append(msgspec.convert(table, TenantSpec))
+            specs.append(msgspec.convert(table, spec_type))
         except msgspec.ValidationError as error:
-            raise ValueError(f"tenants[{index}]: {error}") from None
+            raise ValueError(f"{key}[{index}]: {error}") from None
     return tuple(specs)
+
+
+def _check_models(models: tuple[ModelSpec, ...], has_model_paths: bool) -> None:
+    _check("models", not (models and has_model_paths), "given either as [[models]] or as model paths, not both", "both")
+    names: set[str] = set()
+    for index, model in enumerate(models):
+        key = f"models[{index}]"
+        for name in [model.name, *model.aliases]:
+            _check(f"{key}.name", bool(name) and name not in names, "names and aliases unique and non-empty", name)
+            names.add(name)
+        if model.path is not None:
+            _check(
+                f"{key}.path", Path(model.path, "config.json").is_file(), "a directory with a config.json", model.path
+            )
+        _check(f"{key}.groups", all(model.groups), "a list of devices", model.groups)
 
 
 def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from daemon.children import Child
-from daemon.config import DEFAULT_MODEL_NAME, ServeConfig
+from daemon.config import ServeConfig
 from daemon.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.systemd_notify import SystemdNotifier
 from frontend.gateway.spec import GatewaySpec
@@ -159,15 +159,11 @@ class Supervisor:
 
     # -- children -------------------------------------------------------------------------------------------
 
-    def _served_models(self) -> list[tuple[str, str | None]]:
-        if not self.config.model:
-            return [(DEFAULT_MODEL_NAME, None)]
-        return [(self.config.served_model_name or Path(path).name, path) for path in self.config.model]
-
     def _scheduler_children(self) -> list[Child]:
         children = []
-        for model_index, (name, path) in enumerate(self._served_models()):
-            for group, device in enumerate(self.config.devices):
+        for model_index, model in enumerate(self.config.served_models()):
+            name, path = model.name, model.path
+            for group, device in enumerate(model.groups or self.config.devices):
                 slot = f"{model_index}-{group}"
                 spec = WorkerSpec(
                     worker_id=f"{name}/{group}",
@@ -201,7 +197,8 @@ class Supervisor:
             metrics_port=self.config.metrics_port or None,
             output_address=f"ipc://{self.runtime_dir}/frontend.ipc",
             schedulers=addresses,
-            default_model=self._served_models()[0][0],
+            default_model=self.config.served_models()[0].name,
+            aliases={alias: m.name for m in self.config.served_models() for alias in m.aliases},
             drain_timeout_s=self.config.drain_timeout,
             log_level=self.config.log_level,
             tenants=list(self.config.tenants),

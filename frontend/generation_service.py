@@ -93,7 +93,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
         stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
         self._log.info(
-            "request_admitted", request_id=request_id, model=model_name, prompt_tokens=len(message.prompt_token_ids)
+            "request_admitted",
+            request_id=request_id,
+            model=model_name,
+            worker=scheduler.address.worker_id,
+            priority=priority.name.lower(),
+            prompt_tokens=len(message.prompt_token_ids),
         )
         record = self._meter.open(request_id, tenant.name if tenant else None, model_name, priority)
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record

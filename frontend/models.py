@@ -12,16 +12,17 @@ from gpu_runtime.tokenizer import Tokenizer
 
 
 class ModelCatalog:
-    def __init__(self, link: SchedulerLink, default_model: str):
+    def __init__(self, link: SchedulerLink, default_model: str, aliases: dict[str, str] | None = None):
         self._link = link
         self.default_model = default_model
+        self.aliases = aliases or {}
         self.names = list(dict.fromkeys([default_model] + [s.address.model_name for s in link.schedulers]))
         self._tokenizers: dict[str, Tokenizer] = {}
         self._chat_templates: dict[str, ChatTemplate | None] = {}
 
     def resolve(self, requested: str) -> str:
         """The served name a request means; NOT_FOUND names the field when there is none."""
-        name = requested or self.default_model
+        name = self.aliases.get(requested, requested) or self.default_model
         if name not in self.names:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND, f"model: {requested!r} is not served here; served: {self.names}"

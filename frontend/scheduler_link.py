@@ -53,6 +53,10 @@ class SchedulerState:
     def is_ready(self) -> bool:
         return self.ready is not None
 
+    @property
+    def projected_ttft_seconds(self) -> float:
+        return self.load.projected_ttft_seconds if self.load is not None else 0.0
+
 
 @dataclass(eq=False)
 class RequestStream:
@@ -100,9 +104,10 @@ class SchedulerLink:
         return [s for s in self.schedulers if s.address.model_name == model_name and s.is_ready]
 
     def pick_scheduler(self, model_name: str) -> SchedulerState | None:
-        """The ready scheduler of the model with the least work queued (its latest report plus what we sent)."""
+        """The ready scheduler of the model whose latest report projects the soonest first token; between
+        equals (an idle pool), the one with the fewest requests in flight from here."""
         candidates = self.ready_schedulers(model_name)
-        return min(candidates, key=lambda s: len(s.requests), default=None)
+        return min(candidates, key=lambda s: (s.projected_ttft_seconds, len(s.requests)), default=None)
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams

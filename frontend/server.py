@@ -37,7 +37,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     lifecycle = Lifecycle(health_servicer, link)
     link.on_load = lambda state, report: metrics.observe_load(state.address.model_name, state.address.group, report)
     link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
-    models = ModelCatalog(link, spec.default_model)
+    models = ModelCatalog(link, spec.default_model, spec.aliases)
     authenticator = Authenticator(spec.tenants)
     ledger = UsageLedger(spec.state_dir, log)
     meter = Meter(ledger, metrics, log)

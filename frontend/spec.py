@@ -37,6 +37,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: str = "info"
     tenants: list[TenantSpec] = []  # empty: authentication is off
     state_dir: str = "."  # where the usage ledger lives
+    aliases: dict[str, str] = {}  # another name of a model -> its name
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from daemon.cli import build_parser
@@ -64,3 +66,33 @@ def test_a_bad_key_is_named(tmp_path, toml, key):
 def test_a_missing_config_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="^config: cannot read"):
         _load("--config", str(tmp_path / "absent.toml"))
+
+
+def test_models_tables_name_the_served_models_default_first(tmp_path, llama_dir):
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text(
+        f'[[models]]\nname = "a"\naliases = ["x"]\n\n[[models]]\nname = "b"\npath = "{llama_dir}"\ngroups = ["cpu"]\n'
+    )
+    models = _load("--config", str(config_file)).served_models()
+    assert [(m.name, m.path, m.aliases, m.groups) for m in models] == [
+        ("a", None, ["x"], []),
+        ("b", str(llama_dir), [], ["cpu"]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ('[[models]]\nname = "a"\naliases = ["a"]\n', "models[0].name"),
+        ('[[models]]\nname = "a"\npath = "/nowhere"\n', "models[0].path"),
+        ('[[models]]\nname = "a"\nsize = 7\n', "models[0]"),
+        ('model = "/x"\n[[models]]\nname = "a"\n', "model"),
+        ('[[tenants]]\nname = "t"\napi_key_sha256 = "abc"\n', "tenants[0].api_key_sha256"),
+        ('[[tenants]]\nname = "t"\napi_key_sha256 = "' + "a" * 64 + '"\npriority = "urgent"\n', "tenants[0].priority"),
+    ],
+)
+def test_a_bad_table_is_named(tmp_path, toml, key):
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text(toml)
+    with pytest.raises(ValueError, match=f"^{re.escape(key)}"):
+        _load("--config", str(config_file))

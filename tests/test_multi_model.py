@@ -1,0 +1,91 @@
+"""Several models of different sizes served at once: routed by name or alias, spread over their groups."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import random_prompts
+from daemon_harness import Daemon
+
+from gpu_runtime import LLM, SamplingParams
+from tokend.v1 import tokend_pb2 as pb
+
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, llama_dir):
+    config = tmp_path_factory.mktemp("models") / "tokend.toml"
+    config.write_text(
+        f"""
+[[models]]
+name = "tiny"
+aliases = ["default-alias"]
+
+[[models]]
+name = "llama-small"
+path = "{llama_dir}"
+aliases = ["small"]
+groups = ["cpu", "cpu"]
+"""
+    )
+    with Daemon("--config", str(config)) as running:
+        yield running
+
+
+def _greedy(daemon: Daemon, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    def one(prompt):
+        request = pb.GenerateRequest(
+            model=model,
+            token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
+        )
+        return [t for chunk in daemon.generation.Generate(request, timeout=120) for t in chunk.token_ids]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _in_process(model_path, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = LLM(model_path).generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    )
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_each_model_answers_as_it_does_in_process(daemon, llama_dir):
+    prompts = random_prompts(8, 4, 40, seed=11)
+    small = _greedy(daemon, "small", prompts)
+    tiny = _greedy(daemon, "tiny", prompts)
+    assert small == _greedy(daemon, "llama-small", prompts)
+    assert tiny == _greedy(daemon, "default-alias", prompts) == _greedy(daemon, "", prompts)
+    assert small == _in_process(str(llama_dir), prompts)
+    assert tiny == _in_process(None, prompts)
+    assert small != tiny
+
+
+def test_a_pool_of_two_groups_shares_the_work(daemon):
+    _greedy(daemon, "llama-small", random_prompts(8, 4, 40, seed=12))
+    workers = [
+        json.loads(line)["worker"]
+        for line in daemon.log_path.read_text().splitlines()
+        if '"event": "request_admitted"' in line and '"model": "llama-small"' in line
+    ]
+    assert {"llama-small/0", "llama-small/1"} <= set(workers)
+    load = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert sorted((s.model, s.group) for s in load.schedulers) == [
+        ("llama-small", "0"),
+        ("llama-small", "1"),
+        ("tiny", "0"),
+    ]
+
+
+def test_models_are_listed_and_an_unknown_one_is_not_found(daemon):
+    models = daemon.generation.ListModels(pb.ListModelsRequest(), timeout=10).models
+    assert [m.name for m in models] == ["tiny", "llama-small"] and all(m.ready for m in models)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(daemon.generation.Generate(pb.GenerateRequest(model="huge", prompt="x"), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -51,7 +51,8 @@ def _greedy(daemon: Daemon, model: str, prompts: list[list[int]]) -> list[list[i
 
 def _in_process(model_path, prompts: list[list[int]]) -> list[list[int]]:
     outputs = LLM(model_path).generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
     )
     return [o.outputs[0].token_ids for o in outputs]
 

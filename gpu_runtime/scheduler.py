@@ -151,8 +151,16 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, max_running: int) -> None:
         static = self.config.scheduling == "static"
         depth = self.config.max_num_seqs if static else min(self.config.max_num_seqs, max_running)
-        while self.waiting and len(self.running) < depth:
+        while self.waiting:
             seq = self.waiting[0]
+            if len(self.running) >= depth:
+                # Every slot is taken: a more urgent request takes a less urgent one's slot, else it waits.
+                lower = [] if static else [s for s in self.running if s.priority > seq.priority]
+                if not lower:
+                    return
+                victim = self._pick_victim(lower)
+                budget += out.tokens_of(victim)
+                self._preempt(victim, out)
             # At least one token is left to compute: the step that computes it yields the logits.
             match = self.kv.find_cached_prefix(seq.token_ids_range(0, seq.num_tokens), seq.num_tokens - 1)
             remaining = seq.num_tokens - match.num_tokens(self.kv.page_size)

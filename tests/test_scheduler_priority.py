@@ -65,3 +65,29 @@ def test_victim_is_the_lowest_priority_most_recently_admitted(llama_dir):
         engine.step()
         preempted = [s.request_id for s in engine.scheduler.waiting]
     assert preempted == ["batch-late"]
+
+
+def test_an_interactive_request_takes_a_running_batch_requests_slot_when_every_slot_is_taken(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=2))
+    long_params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    engine.add_request("batch0", [1, 2, 3], long_params, priority=Priority.BATCH)
+    engine.add_request("batch1", [4, 5, 6], long_params, priority=Priority.BATCH)
+    engine.step()
+    engine.step()
+    engine.add_request("chat", [7, 8, 9], PARAMS, priority=Priority.INTERACTIVE)
+    assert any(out.request_id == "chat" for out in engine.step()), "admitted at the very next step"
+    assert engine.stats.num_preemptions == 1
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["batch1"]  # the latest admitted batch
+    run_to_completion(engine)  # the displaced request resumes where it was, from a recompute
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_batch_requests_never_displace_each_other_for_a_slot(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=1))
+    engine.add_request("batch0", [1, 2, 3], PARAMS, priority=Priority.BATCH)
+    engine.step()
+    engine.add_request("batch1", [4, 5, 6], PARAMS, priority=Priority.BATCH)
+    for _ in range(5):
+        engine.step()
+    assert engine.stats.num_preemptions == 0
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["batch1"]

@@ -53,6 +53,10 @@ class ServeConfig:
     drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     stall_timeout: float = 120.0  # a scheduler loop stuck this long is killed and restarted
     log_level: str = "info"
+    interactive_ttft_target: float = 2.0  # seconds; beyond it, queued batch work is shed to make way
+    batch_ttft_target: float = 30.0  # seconds; beyond it, batch work waits (up to batch_max_queue_wait) or is shed
+    batch_max_queue_wait: float = 60.0  # a batch request waiting this long for a slot is shed
+    max_queued_requests: int = 256  # waiting for a slot, both classes; when full, the newest batch request is shed
     models: tuple[ModelSpec, ...] = ()  # [[models]] tables: several models, each with its name, aliases, groups
     tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables in the TOML file; none: authentication is off
 
@@ -92,7 +96,10 @@ class ServeConfig:
             self.max_model_len,
         )
         _check("scheduling", self.scheduling in ("continuous", "static"), "continuous|static", self.scheduling)
-        for key in ("drain_timeout", "stall_timeout"):
+        _check("max_queued_requests", _is_int(self.max_queued_requests) and self.max_queued_requests >= 1,
+               "an integer >= 1", self.max_queued_requests)  # fmt: skip
+        for key in ("drain_timeout", "stall_timeout", "interactive_ttft_target", "batch_ttft_target",
+                    "batch_max_queue_wait"):  # fmt: skip
             value = getattr(self, key)
             _check(
                 key,
@@ -155,6 +162,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM")
     parser.add_argument("--stall-timeout", type=float, help="seconds before a stuck scheduler is restarted")
     parser.add_argument("--log-level")
+    parser.add_argument("--interactive-ttft-target", type=float, help="seconds; interactive's first-token target")
+    parser.add_argument("--batch-ttft-target", type=float, help="seconds; batch's first-token target")
+    parser.add_argument("--batch-max-queue-wait", type=float, help="seconds a batch request may wait for a slot")
+    parser.add_argument("--max-queued-requests", type=int, help="requests that may wait for a slot")
 
 
 def load_serve_config(args: argparse.Namespace) -> ServeConfig:

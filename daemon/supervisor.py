@@ -18,7 +18,7 @@ from daemon.config import ServeConfig
 from daemon.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.systemd_notify import SystemdNotifier
 from frontend.gateway.spec import GatewaySpec
-from frontend.spec import FrontendSpec, SchedulerAddress
+from frontend.spec import AdmissionSpec, FrontendSpec, SchedulerAddress
 from gpu_runtime.worker.spec import WorkerSpec
 
 _TICK_S = 0.1
@@ -203,6 +203,12 @@ class Supervisor:
             log_level=self.config.log_level,
             tenants=list(self.config.tenants),
             state_dir=self.config.state_dir,
+            admission=AdmissionSpec(
+                interactive_ttft_target_s=self.config.interactive_ttft_target,
+                batch_ttft_target_s=self.config.batch_ttft_target,
+                max_queued=self.config.max_queued_requests,
+                batch_max_wait_s=self.config.batch_max_queue_wait,
+            ),
         )
         return Child("frontend", "frontend", spec.to_json())
 

@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 
+from frontend.admission import AdmissionController, Shed
 from frontend.chat_template import ChatTemplateError
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter, status_of
@@ -20,6 +21,7 @@ from frontend.tenants import Authenticator, resolve_priority
 from frontend.usage_ledger import UsageRecord
 from frontend.validation import RequestError, chat_messages, invalid, prepare
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
+from gpu_runtime.sequence import Priority
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -36,9 +38,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         metrics: FrontendMetrics,
         authenticator: Authenticator,
         meter: Meter,
+        admission: AdmissionController,
         log,
     ):
         self._meter = meter
+        self._admission = admission
         self._link = link
         self._authenticator = authenticator
         self._models = models
@@ -80,18 +84,26 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise RequestError(
                 grpc.StatusCode.PERMISSION_DENIED, f"model: tenant {tenant.name!r} may not use {model_name!r}"
             )
-        scheduler = self._link.pick_scheduler(model_name)
-        if scheduler is None:
+        described = self._link.pick_scheduler(model_name)  # any of the pool: they share model and limits
+        if described is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
-        tokenizer = self._models.tokenizer(scheduler.ready)
-        chat_prompt = await self._render_chat(request, scheduler.ready) if request.HasField("chat") else None
-        prepared = prepare(request, scheduler.ready, tokenizer, chat_prompt)
+        model = described.ready
+        tokenizer = self._models.tokenizer(model)
+        chat_prompt = await self._render_chat(request, model) if request.HasField("chat") else None
+        prepared = prepare(request, model, tokenizer, chat_prompt)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         if self._link.is_in_flight(request_id):
             raise invalid(f"request_id: {request_id!r} is already in flight")
         priority = resolve_priority(tenant, prepared.priority)
+        cost = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
+        try:
+            scheduler = await self._admission.admit(model_name, tenant, priority, cost)
+        except Shed:
+            await self._meter.record_shed(request_id, tenant.name if tenant else None, model_name, priority)
+            raise
         message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
         stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
+        stream.priority, stream.cost = int(priority), cost
         self._log.info(
             "request_admitted",
             request_id=request_id,
@@ -134,14 +146,14 @@ class GenerationService(pb_grpc.GenerationServicer):
             if builder.finished:
                 self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
-                await self._meter.close(record, status_of(builder.finish_reason), builder.final_counts())
+                await self._close(stream, record, status_of(builder.finish_reason), builder.final_counts())
             yield chunk
 
     def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         """A request that did not run to its end is aborted, and metered once its scheduler has said what it
         really computed (tokens generated before the abort took effect included)."""
         if record.status != "running":
-            self._link.forget(stream)
+            self._forget(stream)
             return
         self._link.abort(stream.request_id)
         task = asyncio.get_running_loop().create_task(self._settle(stream, builder, record, outcome))
@@ -159,8 +171,22 @@ class GenerationService(pb_grpc.GenerationServicer):
             if isinstance(item, SchedulerLost):
                 break
             counts = FinalCounts.of(item, "abort")
-        self._link.forget(stream)
-        await self._meter.close(record, outcome, counts)
+        self._forget(stream)
+        await self._close(stream, record, outcome, counts)
+
+    async def _close(self, stream: RequestStream, record: UsageRecord, status: str, counts: FinalCounts) -> None:
+        if record.status != "running":
+            return
+        await self._meter.close(record, status, counts)
+        priority = Priority(stream.priority)
+        self._admission.account(record.model, record.tenant, priority, stream.cost, counts.prompt_tokens,
+                                counts.completion_tokens)  # fmt: skip
+
+    def _forget(self, stream: RequestStream) -> None:
+        """The request no longer holds a scheduler slot: the next queued one may go."""
+        if self._link.is_in_flight(stream.request_id):
+            self._link.forget(stream)
+            self._admission.release(stream.tenant)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:

@@ -53,6 +53,11 @@ class Meter:
         record.cached_tokens = counts.cached_tokens
         record.updated_at = time.time()
 
+    async def record_shed(self, request_id: str, tenant: str | None, model: str, priority: Priority) -> None:
+        """A request refused under pressure is in the ledger too, with nothing computed."""
+        record = self.open(request_id, tenant, model, priority)
+        await self.close(record, "shed", FinalCounts("shed", 0, 0, 0))
+
     async def close(self, record: UsageRecord, status: str, counts: FinalCounts) -> None:
         """Commits the final row (once) and counts it in the metrics with the very same numbers."""
         if record.status != "running":

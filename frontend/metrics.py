@@ -81,6 +81,18 @@ class FrontendMetrics:
         self.tenant_cached_tokens = Counter(
             "tokend:tenant_cached_tokens", "Prompt tokens served from the prefix cache, per tenant", tenant, registry=r
         )
+        self.admission_admitted = Counter(
+            "tokend:admission_admitted", "Requests sent to a scheduler, by class", ["priority"], registry=r
+        )
+        self.admission_queued = Counter(
+            "tokend:admission_queued", "Requests that had to wait for a slot, by class", ["priority"], registry=r
+        )
+        self.admission_shed = Counter(
+            "tokend:admission_shed", "Requests refused or dropped under pressure", ["priority", "reason"], registry=r
+        )
+        self.admission_queue_depth = Gauge(
+            "tokend:admission_queue_depth", "Requests waiting for a slot, by class", ["priority"], registry=r
+        )
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}

@@ -47,6 +47,7 @@ class SchedulerState:
     load: LoadReport | None = None
     load_received_at: float = 0.0
     requests: set[str] = field(default_factory=set)
+    reserved: int = 0  # slots admission gave to requests on their way to submit()
     monitor_task: asyncio.Task | None = None
 
     @property
@@ -64,6 +65,8 @@ class RequestStream:
     scheduler: SchedulerState
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | SchedulerLost
     tenant: str | None = None  # who sent it (None while authentication is off)
+    priority: int = 0
+    cost: int = 0  # prompt + max_tokens: what admission charged its tenant at dispatch
     finished: bool = False  # the scheduler sent its final delta
     lost: bool = False  # the scheduler died (or the frontend gave up on it): no final delta will come
 
@@ -114,6 +117,7 @@ class SchedulerLink:
 
     def submit(self, scheduler: SchedulerState, message: AddRequest, tenant: str | None = None) -> RequestStream:
         stream = RequestStream(message.request_id, scheduler, tenant=tenant)
+        scheduler.reserved = max(0, scheduler.reserved - 1)
         self._streams[message.request_id] = stream
         scheduler.requests.add(message.request_id)
         self._send(scheduler, message)

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.admin_service import AdminService
+from frontend.admission import AdmissionController
 from frontend.auth_interceptor import AuthInterceptor
 from frontend.generation_service import GenerationService
 from frontend.lifecycle import Lifecycle
@@ -33,7 +34,13 @@ async def serve(spec: FrontendSpec, log) -> None:
     metrics = FrontendMetrics()
     health_servicer = health.aio.HealthServicer()
     lifecycle: Lifecycle | None = None
-    link = SchedulerLink(spec, log, on_change=lambda: lifecycle.schedule_health_refresh())
+    admission: AdmissionController | None = None
+
+    def on_change() -> None:
+        lifecycle.schedule_health_refresh()
+        admission.pump()  # a scheduler came back: queued requests may go to it
+
+    link = SchedulerLink(spec, log, on_change=on_change)
     lifecycle = Lifecycle(health_servicer, link)
     link.on_load = lambda state, report: metrics.observe_load(state.address.model_name, state.address.group, report)
     link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
@@ -41,6 +48,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     authenticator = Authenticator(spec.tenants)
     ledger = UsageLedger(spec.state_dir, log)
     meter = Meter(ledger, metrics, log)
+    admission = AdmissionController(link, spec.admission, metrics, spec.tenants)
 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(authenticator)],
@@ -50,7 +58,7 @@ async def serve(spec: FrontendSpec, log) -> None:
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(link, models, lifecycle, metrics, authenticator, meter, log), server
+        GenerationService(link, models, lifecycle, metrics, authenticator, meter, admission, log), server
     )
     pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle, ledger.path), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -91,6 +99,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     await server.stop(grace=2.0)
     await asyncio.sleep(0.5)  # aborted requests' final counts arrive and are metered
     checkpoints.cancel()
+    admission.close()
     link.close()
     ledger.close()
     log.info("frontend_stopped")

@@ -26,6 +26,15 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return not self.models or model in self.models
 
 
+class AdmissionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Priority admission: per-class time-to-first-token targets, and how much may wait."""
+
+    interactive_ttft_target_s: float = 2.0
+    batch_ttft_target_s: float = 30.0
+    max_queued: int = 256  # requests waiting for a scheduler slot, both classes together
+    batch_max_wait_s: float = 60.0  # a batch request queued this long is shed
+
+
 class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grpc_port: int
     metrics_port: int | None  # None: no /metrics endpoint
@@ -38,6 +47,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tenants: list[TenantSpec] = []  # empty: authentication is off
     state_dir: str = "."  # where the usage ledger lives
     aliases: dict[str, str] = {}  # another name of a model -> its name
+    admission: AdmissionSpec = AdmissionSpec()
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

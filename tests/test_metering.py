@@ -3,6 +3,7 @@ included, agrees with Prometheus, and loses no finished request when the fronten
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -23,6 +24,7 @@ from daemon_harness import ROOT, Daemon
 from grpc_health.v1 import health_pb2
 
 from tokend.v1 import tokend_pb2 as pb
+from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 TENANTS = ("acme", "globex", "initech")
 MAX_ABORT_TOKENS = 10  # tokens a cancelled stream may be billed beyond what its client received
@@ -55,26 +57,33 @@ def daemon(tmp_path_factory):
 
 
 def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(daemon):
-    def run(index: int) -> dict:
+    async def run(stub, index: int) -> dict:
         tenant, cancel = TENANTS[index % 3], index % 3 == 0 or index % 5 == 0
         request = pb.GenerateRequest(
             prompt=f"metered {index}",
             request_id=f"m-{index}",
             sampling=pb.SamplingParams(max_tokens=150 + index, ignore_eos=True, temperature=0),
         )
-        call = daemon.generation.Generate(request, metadata=_as(tenant), timeout=120)
+        call = stub.Generate(request, metadata=_as(tenant), timeout=120)
         seen = {"request_id": request.request_id, "tenant": tenant, "cancelled": cancel, "received": 0}
-        for number, chunk in enumerate(call):
+        number = 0
+        async for chunk in call:
             seen["received"] += len(chunk.token_ids)
             seen.setdefault("first_at", time.time())
             if cancel and number == 4:
                 seen["cancelled_at"] = time.time()
                 call.cancel()
                 break
+            number += 1
         return seen
 
-    with ThreadPoolExecutor(30) as pool:
-        results = list(pool.map(run, range(30)))
+    async def run_all() -> list[dict]:
+        # One event loop reads all 30 streams: a cancelling client reads what arrived before it cancels.
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            return await asyncio.gather(*(run(stub, index) for index in range(30)))
+
+    results = asyncio.run(run_all())
     assert sum(seen["cancelled"] for seen in results) >= 10
     daemon.wait_for(lambda: all(row["status"] != "running" for row in _rows(daemon).values()), timeout=10)
     rows = _rows(daemon)

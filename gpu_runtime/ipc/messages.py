@@ -90,6 +90,7 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready"):
     vocab_size: int
     num_pages: int
     page_size: int
+    max_num_seqs: int  # the running batch's depth: the frontend dispatches about this many at once
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load"):

@@ -149,6 +149,7 @@ class SchedulerLoop:
             vocab_size=engine.model_config.vocab_size,
             num_pages=engine.kv.num_pages,
             page_size=engine.kv.page_size,
+            max_num_seqs=engine.config.max_num_seqs,
         )
 
     def _report_when_due(self) -> None:

@@ -1,0 +1,275 @@
+"""Priority admission: which request goes to a scheduler next, and which are shed when there is not enough.
+
+Requests wait here, not in the schedulers, so that policy decides the order: interactive before batch; within
+a class, the backlogged tenant that has been served the fewest tokens first (virtual token counters); batch
+shed before interactive. A scheduler gets batch work only while it has a free slot, and interactive work a
+little beyond that (it then takes a running batch request's slot there). Per-tenant limits (requests in flight,
+tokens per minute) are refused at once with RESOURCE_EXHAUSTED and a retry hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from frontend.metrics import FrontendMetrics
+from frontend.scheduler_link import SchedulerLink, SchedulerState
+from frontend.spec import AdmissionSpec, TenantSpec
+from frontend.validation import RequestError
+from gpu_runtime.sequence import Priority
+
+_RATE_WINDOW_S = 10.0  # dispatches counted over this window give the pool's service rate
+
+
+class Shed(RequestError):
+    """RESOURCE_EXHAUSTED: refused or dropped under pressure; `retry_after_s` says when to try again."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float):
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in {math.ceil(retry_after_s)} s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class Ticket:
+    model: str
+    tenant: str
+    priority: Priority
+    cost: int  # tokens it may use (prompt + max_tokens): what fairness charges at dispatch
+    arrived: float = field(default_factory=time.monotonic)
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass(eq=False)
+class Pool:
+    """The waiting requests of one model, and what fairness and projections need to know about it."""
+
+    # class -> tenant -> waiting tickets, oldest first
+    queues: dict[Priority, dict[str, collections.deque[Ticket]]] = field(
+        default_factory=lambda: {p: {} for p in Priority}
+    )
+    served: dict[tuple[Priority, str], float] = field(default_factory=dict)  # virtual tokens served
+    dispatches: collections.deque[float] = field(default_factory=collections.deque)  # recent dispatch times
+
+
+class TokenBucket:
+    """tokens_per_minute on actual tokens: usage is charged after the fact, and the bucket may go negative."""
+
+    def __init__(self, tokens_per_minute: int):
+        self.rate = tokens_per_minute / 60.0
+        self.capacity = float(tokens_per_minute)
+        self.level = self.capacity
+        self.updated = time.monotonic()
+
+    def refill(self) -> float:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+        return self.level
+
+    def charge(self, tokens: int) -> None:
+        self.refill()
+        self.level -= tokens
+
+
+class AdmissionController:
+    def __init__(self, link: SchedulerLink, spec: AdmissionSpec, metrics: FrontendMetrics, tenants: list[TenantSpec]):
+        self._link = link
+        self._spec = spec
+        self._metrics = metrics
+        self._tenants = {t.name: t for t in tenants}
+        self._buckets = {t.name: TokenBucket(t.tokens_per_minute) for t in tenants if t.tokens_per_minute}
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._pools: dict[str, Pool] = {}
+        self._expiry = asyncio.get_running_loop().create_task(self._shed_expired_forever())
+
+    def close(self) -> None:
+        self._expiry.cancel()
+
+    # -- the way in ---------------------------------------------------------------------------------------------
+
+    async def admit(self, model: str, tenant: TenantSpec | None, priority: Priority, cost: int) -> SchedulerState:
+        """Waits for the request's turn; returns the scheduler to send it to, or raises Shed."""
+        name = tenant.name if tenant else ""
+        self._check_tenant_limits(tenant)
+        ticket = Ticket(model, name, priority, cost)
+        self._in_flight[name] += 1
+        try:
+            self._enqueue(ticket)
+            return await ticket.future
+        except BaseException:
+            self._remove(ticket)
+            self._in_flight[name] -= 1
+            if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
+                ticket.future.result().reserved -= 1  # dispatched, but its caller went away before sending it
+            raise
+
+    def release(self, tenant: str | None) -> None:
+        """A dispatched request ended: its tenant has one fewer in flight, and a slot may be free."""
+        self._in_flight[tenant or ""] -= 1
+        self.pump()
+
+    def account(
+        self, model: str, tenant: str, priority: Priority, estimated: int, prompt: int, completion: int
+    ) -> None:
+        """Corrects fairness counters with what a request really used, and charges its tenant's bucket."""
+        served = self._pool(model).served
+        if (priority, tenant) in served:
+            served[(priority, tenant)] += prompt + completion - estimated
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            bucket.charge(prompt + completion)
+
+    # -- queueing and shedding ----------------------------------------------------------------------------------
+
+    def _check_tenant_limits(self, tenant: TenantSpec | None) -> None:
+        if tenant is None:
+            return
+        if tenant.max_concurrent and self._in_flight[tenant.name] >= tenant.max_concurrent:
+            self._count_shed(Priority.BATCH, "max_concurrent")
+            raise Shed(f"tenant {tenant.name!r} has {tenant.max_concurrent} requests in flight (max_concurrent)",
+                       "max_concurrent", 1.0)  # fmt: skip
+        bucket = self._buckets.get(tenant.name)
+        if bucket is not None and bucket.refill() <= 0:
+            self._count_shed(Priority.BATCH, "tokens_per_minute")
+            raise Shed(f"tenant {tenant.name!r} used its tokens_per_minute", "tokens_per_minute",
+                       -bucket.level / bucket.rate + 1.0)  # fmt: skip
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        projected = self._projected_ttft(ticket)
+        target = self._target(ticket.priority)
+        if ticket.priority == Priority.BATCH and projected > target and projected > self._spec.batch_max_wait_s:
+            self._shed_ticket(ticket, "projected_ttft", projected)
+            return
+        if ticket.priority == Priority.INTERACTIVE and projected > target:
+            # Interactive is about to miss its target: queued batch work goes first, as policy says.
+            while (victim := self._newest(ticket.model, Priority.BATCH)) is not None:
+                self._remove(victim)
+                self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_wait_s)
+        if self._num_queued(ticket.model) >= self._spec.max_queued:
+            victim = self._newest(ticket.model, Priority.BATCH)
+            if ticket.priority == Priority.BATCH or victim is None:
+                self._shed_ticket(ticket, "queue_full", self._spec.batch_max_wait_s)
+                return
+            self._remove(victim)  # an interactive request takes the place of the newest batch one
+            self._shed_ticket(victim, "queue_full", self._spec.batch_max_wait_s)
+        pool = self._pool(ticket.model)
+        tenants = pool.queues[ticket.priority]
+        if ticket.tenant not in tenants or not tenants[ticket.tenant]:
+            # A tenant that becomes backlogged starts level with the others: idle time earns no credit.
+            backlogged = [pool.served.get((ticket.priority, t), 0.0) for t, q in tenants.items() if q]
+            key = (ticket.priority, ticket.tenant)
+            pool.served[key] = max(pool.served.get(key, 0.0), min(backlogged, default=0.0))
+        tenants.setdefault(ticket.tenant, collections.deque()).append(ticket)
+        self.pump()
+        if not ticket.future.done():
+            self._metrics.admission_queued.labels(ticket.priority.name.lower()).inc()
+        self._update_depth()
+
+    def pump(self) -> None:
+        """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
+        for pool in self._pools.values():
+            for priority in Priority:
+                while (ticket := self._next_ticket(pool, priority)) is not None:
+                    scheduler = self._scheduler_with_room(ticket)
+                    if scheduler is None:
+                        break
+                    pool.queues[priority][ticket.tenant].popleft()
+                    key = (priority, ticket.tenant)
+                    pool.served[key] = pool.served.get(key, 0.0) + ticket.cost
+                    pool.dispatches.append(time.monotonic())
+                    self._metrics.admission_admitted.labels(priority.name.lower()).inc()
+                    scheduler.reserved += 1
+                    ticket.future.set_result(scheduler)
+        self._update_depth()
+
+    @staticmethod
+    def _next_ticket(pool: Pool, priority: Priority) -> Ticket | None:
+        """The oldest ticket of the backlogged tenant served least so far in this class."""
+        backlogged = [(pool.served.get((priority, t), 0.0), t) for t, q in pool.queues[priority].items() if q]
+        if not backlogged:
+            return None
+        _, tenant = min(backlogged)
+        return pool.queues[priority][tenant][0]
+
+    def _pool(self, model: str) -> Pool:
+        return self._pools.setdefault(model, Pool())
+
+    def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
+        limit = self._slot_limit(ticket.priority)
+        ready = [s for s in self._link.ready_schedulers(ticket.model) if len(s.requests) + s.reserved < limit(s)]
+        return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
+
+    @staticmethod
+    def _slot_limit(priority: Priority):
+        if priority == Priority.INTERACTIVE:
+            # Beyond the batch's depth: the scheduler lets it take a running batch request's slot.
+            return lambda s: s.ready.max_num_seqs + max(1, s.ready.max_num_seqs // 2)
+        return lambda s: s.ready.max_num_seqs
+
+    def _projected_ttft(self, ticket: Ticket) -> float:
+        """The pool's projected first-token time, plus the wait for the tickets queued ahead of this one."""
+        ready = self._link.ready_schedulers(ticket.model)
+        base = min((s.projected_ttft_seconds for s in ready), default=0.0)
+        pool = self._pool(ticket.model)
+        ahead = sum(len(q) for p in Priority if p <= ticket.priority for q in pool.queues[p].values())
+        rate = _dispatch_rate(pool)
+        return base + (ahead / rate if rate > 0 and ahead else 0.0)
+
+    def _target(self, priority: Priority) -> float:
+        if priority == Priority.INTERACTIVE:
+            return self._spec.interactive_ttft_target_s
+        return self._spec.batch_ttft_target_s
+
+    async def _shed_expired_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for pool in self._pools.values():
+                for queue in pool.queues[Priority.BATCH].values():
+                    while queue and now - queue[0].arrived > self._spec.batch_max_wait_s:
+                        self._shed_ticket(queue.popleft(), "max_wait", self._spec.batch_max_wait_s)
+            self._update_depth()
+
+    def _shed_ticket(self, ticket: Ticket, reason: str, retry_after_s: float) -> None:
+        self._count_shed(ticket.priority, reason)
+        if not ticket.future.done():
+            what = ticket.priority.name.lower()
+            ticket.future.set_exception(
+                Shed(f"server overloaded: {what} request shed ({reason})", reason, retry_after_s)
+            )
+
+    def _count_shed(self, priority: Priority, reason: str) -> None:
+        self._metrics.admission_shed.labels(priority.name.lower(), reason).inc()
+
+    def _newest(self, model: str, priority: Priority) -> Ticket | None:
+        tickets = [q[-1] for q in self._pool(model).queues[priority].values() if q]
+        return max(tickets, key=lambda t: t.arrived, default=None)
+
+    def _remove(self, ticket: Ticket) -> None:
+        queue = self._pool(ticket.model).queues[ticket.priority].get(ticket.tenant)
+        if queue and ticket in queue:
+            queue.remove(ticket)
+        self._update_depth()
+
+    def _num_queued(self, model: str) -> int:
+        return sum(len(q) for tenants in self._pool(model).queues.values() for q in tenants.values())
+
+    def _update_depth(self) -> None:
+        for priority in Priority:
+            depth = sum(len(q) for pool in self._pools.values() for q in pool.queues[priority].values())
+            self._metrics.admission_queue_depth.labels(priority.name.lower()).set(depth)
+
+
+def _dispatch_rate(pool: Pool) -> float:
+    """Dispatches per second over the last few seconds: how fast the pool's queue moves."""
+    now = time.monotonic()
+    while pool.dispatches and pool.dispatches[0] < now - _RATE_WINDOW_S:
+        pool.dispatches.popleft()
+    span = now - pool.dispatches[0] if len(pool.dispatches) > 1 else 0.0
+    return (len(pool.dispatches) - 1) / span if span > 0 else 0.0

@@ -141,23 +141,6 @@ class AdmissionController:
                        -bucket.level / bucket.rate + 1.0)  # fmt: skip
 
     def _enqueue(self, ticket: Ticket) -> None:
-        projected = self._projected_ttft(ticket)
-        target = self._target(ticket.priority)
-        if ticket.priority == Priority.BATCH and projected > target and projected > self._spec.batch_max_wait_s:
-            self._shed_ticket(ticket, "projected_ttft", projected)
-            return
-        if ticket.priority == Priority.INTERACTIVE and projected > target:
-            # Interactive is about to miss its target: queued batch work goes first, as policy says.
-            while (victim := self._newest(ticket.model, Priority.BATCH)) is not None:
-                self._remove(victim)
-                self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_wait_s)
-        if self._num_queued(ticket.model) >= self._spec.max_queued:
-            victim = self._newest(ticket.model, Priority.BATCH)
-            if ticket.priority == Priority.BATCH or victim is None:
-                self._shed_ticket(ticket, "queue_full", self._spec.batch_max_wait_s)
-                return
-            self._remove(victim)  # an interactive request takes the place of the newest batch one
-            self._shed_ticket(victim, "queue_full", self._spec.batch_max_wait_s)
         pool = self._pool(ticket.model)
         tenants = pool.queues[ticket.priority]
         if ticket.tenant not in tenants or not tenants[ticket.tenant]:
@@ -167,9 +150,30 @@ class AdmissionController:
             pool.served[key] = max(pool.served.get(key, 0.0), min(backlogged, default=0.0))
         tenants.setdefault(ticket.tenant, collections.deque()).append(ticket)
         self.pump()
-        if not ticket.future.done():
+        if not ticket.future.done():  # it has to wait: the policy decides whether it may
             self._metrics.admission_queued.labels(ticket.priority.name.lower()).inc()
+            self._apply_pressure(ticket)
         self._update_depth()
+
+    def _apply_pressure(self, ticket: Ticket) -> None:
+        """Sheds by policy once a request must wait: batch before interactive, the newest batch first."""
+        projected = self._projected_ttft(ticket)
+        if ticket.priority == Priority.BATCH:
+            if projected > self._spec.batch_ttft_target_s and projected > self._spec.batch_max_wait_s:
+                self._remove(ticket)
+                self._shed_ticket(ticket, "projected_ttft", projected)
+                return
+        elif projected > self._spec.interactive_ttft_target_s:
+            # Interactive is about to miss its target: queued batch work gives way, as policy says.
+            while (victim := self._newest(ticket.model, Priority.BATCH)) is not None:
+                self._remove(victim)
+                self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_wait_s)
+        if self._num_queued(ticket.model) > self._spec.max_queued:
+            victim = self._newest(ticket.model, Priority.BATCH)  # a batch arrival is the newest itself
+            if victim is None:
+                victim = ticket  # no batch work can make room: the interactive arrival is refused
+            self._remove(victim)
+            self._shed_ticket(victim, "queue_full", self._spec.batch_max_wait_s)
 
     def pump(self) -> None:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""

@@ -1,0 +1,183 @@
+"""Priority admission against a real `tokend serve`: interactive first, batch shed first, tenant limits, fairness."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import sqlite3
+import time
+
+import grpc
+import pytest
+from daemon_harness import Daemon
+
+from tokend.v1 import tokend_pb2 as pb
+from tokend.v1 import tokend_pb2_grpc as pb_grpc
+
+
+def _tenant(name: str, **fields) -> str:
+    lines = [f'[[tenants]]\nname = "{name}"\napi_key_sha256 = "{hashlib.sha256(name.encode()).hexdigest()}"']
+    lines += [f"{key} = {value!r}".replace("'", '"') for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _as(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {tenant}"),)
+
+
+def _request(index: int, max_tokens: int, priority=pb.PRIORITY_UNSPECIFIED) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=f"request {index}",
+        request_id=f"r-{index}-{max_tokens}-{priority}",
+        priority=priority,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+    )
+
+
+async def _stream(stub, request: pb.GenerateRequest, tenant: str) -> dict:
+    """When the first token arrived, how many tokens came, and the error code if it failed."""
+    seen = {"request_id": request.request_id, "tenant": tenant, "first_at": None, "tokens": 0, "code": None}
+    try:
+        async for chunk in stub.Generate(request, metadata=_as(tenant), timeout=300):
+            if seen["first_at"] is None and chunk.token_ids:
+                seen["first_at"] = time.monotonic()
+            seen["tokens"] += len(chunk.token_ids)
+        seen["done_at"] = time.monotonic()
+    except grpc.aio.AioRpcError as error:
+        seen["code"], seen["details"] = error.code(), error.details()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    config = tmp_path_factory.mktemp("admission") / "tokend.toml"
+    config.write_text(
+        "max_num_seqs = 4\nmax_queued_requests = 6\n"
+        + _tenant("chat", priority="interactive")
+        + _tenant("jobs", priority="batch", max_priority="batch")
+    )
+    with Daemon("--config", str(config)) as running:
+        yield running
+
+
+def _queued(daemon: Daemon, priority: str) -> float:
+    return daemon.metric("tokend:admission_queue_depth", priority=priority)
+
+
+def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
+    async def scenario():
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            batch = [asyncio.create_task(_stream(stub, _request(i, 300), "jobs")) for i in range(8)]
+            # 4 run (the scheduler's depth), 4 wait in the frontend's queue.
+            await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 4, 30)
+            chats = [asyncio.create_task(_stream(stub, _request(i, 16), "chat")) for i in range(4)]
+            return await asyncio.gather(*batch), await asyncio.gather(*chats)
+
+    batch, chats = asyncio.run(scenario())
+    assert all(s["code"] is None for s in batch + chats)
+    started = sorted(batch, key=lambda s: s["first_at"])
+    queued_batch = started[4:]  # the four that were still waiting when the chats arrived
+    assert max(c["first_at"] for c in chats) < min(b["first_at"] for b in queued_batch)
+    assert daemon.metric("tokend:num_preemptions_total") >= 1  # chats took running batch requests' slots
+
+
+def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
+    shed_before = daemon.metric("tokend:admission_shed_total", priority="batch")
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            batch = [asyncio.create_task(_stream(stub, _request(100 + i, 400), "jobs")) for i in range(10)]
+            await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 6, 30)
+            extra_batch = await _stream(stub, _request(200, 10), "jobs")  # the queue is full: shed at once
+            # Two chats go straight in, beyond the batch's depth; the third must wait, so a batch one makes room.
+            chats = [asyncio.create_task(_stream(stub, _request(201 + i, 30), "chat")) for i in range(2)]
+            await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_preemptions_total") >= 2, 30)
+            chats.append(asyncio.create_task(_stream(stub, _request(203, 10), "chat")))
+            return await asyncio.gather(*batch), extra_batch, await asyncio.gather(*chats)
+
+    batch, extra_batch, chats = asyncio.run(scenario())
+    assert extra_batch["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in" in extra_batch["details"]
+    assert [chat["code"] for chat in chats] == [None] * 3 and chats[-1]["tokens"] == 10
+    shed = [s for s in batch if s["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(shed) == 1 and shed[0]["tokens"] == 0  # one batch request still queued (the newest) gave way
+    assert daemon.metric("tokend:admission_shed_total", priority="batch") == shed_before + 2
+    assert daemon.metric("tokend:admission_shed_total", priority="interactive") == 0
+    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+        statuses = dict(db.execute("SELECT request_id, status FROM usage WHERE request_id IN (?, ?)",
+                                   (extra_batch["request_id"], shed[0]["request_id"])).fetchall())  # fmt: skip
+    assert set(statuses.values()) == {"shed"}
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    config = tmp_path_factory.mktemp("limits") / "tokend.toml"
+    config.write_text(
+        "max_num_seqs = 2\nbatch_max_queue_wait = 0.5\n"
+        + _tenant("few", max_concurrent=2)
+        + _tenant("thrifty", tokens_per_minute=60)
+        + _tenant("a", priority="batch")
+        + _tenant("b", priority="batch")
+    )
+    with Daemon("--config", str(config)) as running:
+        yield running
+
+
+def test_tenant_limits_refuse_with_a_retry_hint(limited):
+    async def scenario():
+        async with grpc.aio.insecure_channel(limited.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            running = [asyncio.create_task(_stream(stub, _request(300 + i, 300), "few")) for i in range(2)]
+            await asyncio.to_thread(limited.wait_for, lambda: limited.metric("tokend:num_requests_running") == 2, 30)
+            third = await _stream(stub, _request(302, 5), "few")
+            spent = await _stream(stub, _request(303, 80), "thrifty")  # 80+ tokens of a 60-a-minute budget
+            broke = await _stream(stub, _request(304, 5), "thrifty")
+            return third, spent, broke, await asyncio.gather(*running)
+
+    third, spent, broke, running = asyncio.run(scenario())
+    assert third["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in third["details"]
+    assert spent["code"] is None
+    assert broke["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in broke["details"]
+    assert all(s["code"] is None for s in running)
+
+
+def test_a_batch_request_that_waits_too_long_is_shed(limited):
+    async def scenario():
+        async with grpc.aio.insecure_channel(limited.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            hogs = [asyncio.create_task(_stream(stub, _request(400 + i, 1500), "a")) for i in range(2)]
+            await asyncio.to_thread(limited.wait_for, lambda: limited.metric("tokend:num_requests_running") == 2, 30)
+            late = await _stream(stub, _request(402, 5), "b")
+            for hog in hogs:
+                hog.cancel()
+            return late
+
+    late = asyncio.run(scenario())
+    assert late["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_wait" in late["details"]
+
+
+@pytest.fixture(scope="module")
+def fair(tmp_path_factory):
+    config = tmp_path_factory.mktemp("fair") / "tokend.toml"
+    config.write_text("max_num_seqs = 2\n" + _tenant("a", priority="batch") + _tenant("b", priority="batch"))
+    with Daemon("--config", str(config)) as running:
+        yield running
+
+
+def test_two_backlogged_batch_tenants_share_tokens_fairly_whatever_their_request_counts(fair):
+    async def scenario():
+        async with grpc.aio.insecure_channel(fair.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            heavy = [asyncio.create_task(_stream(stub, _request(500 + i, 48), "a")) for i in range(40)]
+            light = [asyncio.create_task(_stream(stub, _request(600 + i, 48), "b")) for i in range(4)]
+            return await asyncio.gather(*heavy), await asyncio.gather(*light)
+
+    heavy, light = asyncio.run(scenario())
+    assert all(s["code"] is None for s in heavy + light)
+    window_end = max(s["done_at"] for s in light)  # both tenants were backlogged until then
+    served_heavy = sum(s["tokens"] for s in heavy if s["done_at"] <= window_end)
+    served_light = sum(s["tokens"] for s in light)
+    share = served_light / (served_light + served_heavy)
+    assert 0.4 <= share <= 0.6, (served_light, served_heavy)

@@ -24,6 +24,10 @@ from frontend.validation import RequestError
 from gpu_runtime.sequence import Priority
 
 _RATE_WINDOW_S = 10.0  # dispatches counted over this window give the pool's service rate
+_PRESSURE_HOLD_S = 2.0  # after interactive work last had to wait, batch work stays queued this long
+# Interactive requests are refused once their projected TTFT passes this share of the target: the projection
+# leaves out the prefill and its noise, and the p99, not the mean, must stay within the target.
+_INTERACTIVE_MARGIN = 0.75
 
 
 class Shed(RequestError):
@@ -55,6 +59,7 @@ class Pool:
     )
     served: dict[tuple[Priority, str], float] = field(default_factory=dict)  # virtual tokens served
     dispatches: collections.deque[float] = field(default_factory=collections.deque)  # recent dispatch times
+    interactive_waited_at: float = -math.inf  # when an interactive request last found no free slot
 
 
 class TokenBucket:
@@ -152,6 +157,8 @@ class AdmissionController:
         self.pump()
         if not ticket.future.done():  # it has to wait: the policy decides whether it may
             self._metrics.admission_queued.labels(ticket.priority.name.lower()).inc()
+            if ticket.priority == Priority.INTERACTIVE:
+                pool.interactive_waited_at = time.monotonic()
             self._apply_pressure(ticket)
         self._update_depth()
 
@@ -163,11 +170,18 @@ class AdmissionController:
                 self._remove(ticket)
                 self._shed_ticket(ticket, "projected_ttft", projected)
                 return
-        elif projected > self._spec.interactive_ttft_target_s:
+        elif projected > _INTERACTIVE_MARGIN * self._spec.interactive_ttft_target_s:
             # Interactive is about to miss its target: queued batch work gives way, as policy says.
             while (victim := self._newest(ticket.model, Priority.BATCH)) is not None:
                 self._remove(victim)
                 self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_wait_s)
+            running_batch = sum(s.load.num_running_batch for s in self._link.ready_schedulers(ticket.model) if s.load)
+            if running_batch == 0:
+                # No batch work left to make room: interactive alone exceeds capacity, and refusing a few keeps
+                # the target for the rest instead of letting every one of them miss it.
+                self._remove(ticket)
+                self._shed_ticket(ticket, "projected_ttft", projected)
+                return
         if self._num_queued(ticket.model) > self._spec.max_queued:
             victim = self._newest(ticket.model, Priority.BATCH)  # a batch arrival is the newest itself
             if victim is None:
@@ -179,6 +193,8 @@ class AdmissionController:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
         for pool in self._pools.values():
             for priority in Priority:
+                if priority == Priority.BATCH and time.monotonic() - pool.interactive_waited_at < _PRESSURE_HOLD_S:
+                    break  # interactive work is short of slots: a batch request now would only be preempted
                 while (ticket := self._next_ticket(pool, priority)) is not None:
                     scheduler = self._scheduler_with_room(ticket)
                     if scheduler is None:
@@ -209,11 +225,16 @@ class AdmissionController:
         ready = [s for s in self._link.ready_schedulers(ticket.model) if len(s.requests) + s.reserved < limit(s)]
         return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
 
-    @staticmethod
-    def _slot_limit(priority: Priority):
+    def _slot_limit(self, priority: Priority):
         if priority == Priority.INTERACTIVE:
-            # Beyond the batch's depth: the scheduler lets it take a running batch request's slot.
-            return lambda s: s.ready.max_num_seqs + max(1, s.ready.max_num_seqs // 2)
+            # Beyond the batch's depth only as far as batch requests hold slots there: the scheduler lets an
+            # interactive request take one of theirs. Past that it would just wait in the scheduler's queue,
+            # where this policy could no longer see or order it.
+            def interactive_limit(s: SchedulerState) -> int:
+                displaceable = s.load.num_running_batch if s.load is not None else 0
+                return s.ready.max_num_seqs + min(displaceable, max(1, s.ready.max_num_seqs // 2))
+
+            return interactive_limit
         return lambda s: s.ready.max_num_seqs
 
     def _projected_ttft(self, ticket: Ticket) -> float:
@@ -231,8 +252,10 @@ class AdmissionController:
         return self._spec.batch_ttft_target_s
 
     async def _shed_expired_forever(self) -> None:
+        """Sheds batch work that waited too long, and lets held batch work go once interactive pressure ends."""
         while True:
             await asyncio.sleep(0.25)
+            self.pump()
             now = time.monotonic()
             for pool in self._pools.values():
                 for queue in pool.queues[Priority.BATCH].values():

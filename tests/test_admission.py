@@ -70,13 +70,14 @@ def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
             batch = [asyncio.create_task(_stream(stub, _request(i, 300), "jobs")) for i in range(8)]
-            # 4 run (the scheduler's depth), 4 wait in the frontend's queue.
+            # 4 run (the scheduler's depth, as its load report says), 4 wait in the frontend's queue.
             await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 4, 30)
+            await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
             chats = [asyncio.create_task(_stream(stub, _request(i, 16), "chat")) for i in range(4)]
             return await asyncio.gather(*batch), await asyncio.gather(*chats)
 
     batch, chats = asyncio.run(scenario())
-    assert all(s["code"] is None for s in batch + chats)
+    assert all(s["code"] is None for s in batch + chats), [s.get("details") for s in batch + chats]
     started = sorted(batch, key=lambda s: s["first_at"])
     queued_batch = started[4:]  # the four that were still waiting when the chats arrived
     assert max(c["first_at"] for c in chats) < min(b["first_at"] for b in queued_batch)
@@ -91,6 +92,7 @@ def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
             stub = pb_grpc.GenerationStub(channel)
             batch = [asyncio.create_task(_stream(stub, _request(100 + i, 400), "jobs")) for i in range(10)]
             await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 6, 30)
+            await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
             extra_batch = await _stream(stub, _request(200, 10), "jobs")  # the queue is full: shed at once
             # Two chats go straight in, beyond the batch's depth; the third must wait, so a batch one makes room.
             chats = [asyncio.create_task(_stream(stub, _request(201 + i, 30), "chat")) for i in range(2)]

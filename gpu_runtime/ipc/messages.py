@@ -99,6 +99,7 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load"):
     worker_id: str
     incarnation: str
     num_running: int
+    num_running_batch: int  # of which batch-class: the slots an interactive request may take
     num_waiting: int
     kv_cache_usage: float  # pages held by live sequences / all pages
     num_pages: int

@@ -164,6 +164,7 @@ class SchedulerLoop:
                 worker_id=self.spec.worker_id,
                 incarnation=self.incarnation,
                 num_running=snapshot.num_running,
+                num_running_batch=sum(s.priority == Priority.BATCH for s in self.engine.scheduler.running),
                 num_waiting=snapshot.num_waiting,
                 kv_cache_usage=snapshot.kv_usage,
                 num_pages=snapshot.num_pages,

@@ -25,18 +25,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports: all are held open until all are picked, so none is handed out twice."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 class LocalDaemon:
     """One `tokend serve` process tree. Use as a context manager; it is killed, whole, on exit."""
 
     def __init__(self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None):
-        self.grpc_port = free_port()
-        self.metrics_port = free_port()
-        self.http_port = free_port()
+        self.grpc_port, self.metrics_port, self.http_port = free_ports(3)
         self.state_dir = tempfile.mkdtemp(prefix="tokend-test-state-")
         self.log_path = Path(self.state_dir) / "daemon.log"
         self.flags = flags

@@ -24,7 +24,7 @@ from frontend.validation import RequestError
 from gpu_runtime.sequence import Priority
 
 _RATE_WINDOW_S = 10.0  # dispatches counted over this window give the pool's service rate
-_PRESSURE_HOLD_S = 2.0  # after interactive work last had to wait, batch work stays queued this long
+_PRESSURE_HOLD_S = 2.0  # after interactive work last had to wait, batch leaves slots free this long
 # Interactive requests are refused once their projected TTFT passes this share of the target: the projection
 # leaves out the prefill and its noise, and the p99, not the mean, must stay within the target.
 _INTERACTIVE_MARGIN = 0.75
@@ -193,10 +193,11 @@ class AdmissionController:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
         for pool in self._pools.values():
             for priority in Priority:
-                if priority == Priority.BATCH and time.monotonic() - pool.interactive_waited_at < _PRESSURE_HOLD_S:
-                    break  # interactive work is short of slots: a batch request now would only be preempted
+                # Right after interactive work had to wait, batch keeps a quarter of the slots free for it: a
+                # batch request in such a slot would soon be preempted, its work thrown away.
+                pressure = time.monotonic() - pool.interactive_waited_at < _PRESSURE_HOLD_S
                 while (ticket := self._next_ticket(pool, priority)) is not None:
-                    scheduler = self._scheduler_with_room(ticket)
+                    scheduler = self._scheduler_with_room(ticket, pressure)
                     if scheduler is None:
                         break
                     pool.queues[priority][ticket.tenant].popleft()
@@ -220,12 +221,12 @@ class AdmissionController:
     def _pool(self, model: str) -> Pool:
         return self._pools.setdefault(model, Pool())
 
-    def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
-        limit = self._slot_limit(ticket.priority)
+    def _scheduler_with_room(self, ticket: Ticket, pressure: bool = False) -> SchedulerState | None:
+        limit = self._slot_limit(ticket.priority, pressure)
         ready = [s for s in self._link.ready_schedulers(ticket.model) if len(s.requests) + s.reserved < limit(s)]
         return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
 
-    def _slot_limit(self, priority: Priority):
+    def _slot_limit(self, priority: Priority, pressure: bool):
         if priority == Priority.INTERACTIVE:
             # Beyond the batch's depth only as far as batch requests hold slots there: the scheduler lets an
             # interactive request take one of theirs. Past that it would just wait in the scheduler's queue,
@@ -235,6 +236,8 @@ class AdmissionController:
                 return s.ready.max_num_seqs + min(displaceable, max(1, s.ready.max_num_seqs // 2))
 
             return interactive_limit
+        if pressure:
+            return lambda s: s.ready.max_num_seqs - max(1, s.ready.max_num_seqs // 4)
         return lambda s: s.ready.max_num_seqs
 
     def _projected_ttft(self, ticket: Ticket) -> float:

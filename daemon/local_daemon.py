@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,6 +93,7 @@ class LocalDaemon:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)  # anything left of the tree
             self.process.wait()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # -- clients --------------------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._metrics = metrics
         self._log = log
         self._settling: set[asyncio.Task] = set()
+        self._queued_ids: set[str] = set()  # ids of requests waiting for admission (the link knows the rest)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.monotonic()
@@ -92,17 +93,20 @@ class GenerationService(pb_grpc.GenerationServicer):
         chat_prompt = await self._render_chat(request, model) if request.HasField("chat") else None
         prepared = prepare(request, model, tokenizer, chat_prompt)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        if self._link.is_in_flight(request_id):
+        if self._link.is_in_flight(request_id) or request_id in self._queued_ids:
             raise invalid(f"request_id: {request_id!r} is already in flight")
         priority = resolve_priority(tenant, prepared.priority)
         cost = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
+        self._queued_ids.add(request_id)
         try:
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
+            message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
+            stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
         except Shed:
             await self._meter.record_shed(request_id, tenant.name if tenant else None, model_name, priority)
             raise
-        message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
-        stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
+        finally:
+            self._queued_ids.discard(request_id)
         stream.priority, stream.cost = int(priority), cost
         self._log.info(
             "request_admitted",

@@ -185,3 +185,23 @@ def test_two_backlogged_batch_tenants_share_tokens_fairly_whatever_their_request
     served_light = sum(s["tokens"] for s in light)
     share = served_light / (served_light + served_heavy)
     assert 0.4 <= share <= 0.6, (served_light, served_heavy)
+
+
+def test_a_request_id_waiting_for_admission_is_still_taken(daemon):
+    async def scenario():
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            originals = [_request(700 + i, 200) for i in range(5)]
+            batch = [asyncio.create_task(_stream(stub, request, "jobs")) for request in originals]
+            # Four run, one waits for a slot: every one of the five ids is taken, wherever its request is.
+            await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 1, 30)
+            duplicates = [
+                await _stream(stub, pb.GenerateRequest(prompt="dup", request_id=r.request_id), "jobs")
+                for r in originals
+            ]
+            return duplicates, await asyncio.gather(*batch)
+
+    duplicates, batch = asyncio.run(scenario())
+    assert all(s["code"] is None for s in batch)
+    assert [s["code"] for s in duplicates] == [grpc.StatusCode.INVALID_ARGUMENT] * 5
+    assert all(s["details"].startswith("request_id") for s in duplicates)

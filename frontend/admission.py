@@ -101,7 +101,7 @@ class AdmissionController:
     async def admit(self, model: str, tenant: TenantSpec | None, priority: Priority, cost: int) -> SchedulerState:
         """Waits for the request's turn; returns the scheduler to send it to, or raises Shed."""
         name = tenant.name if tenant else ""
-        self._check_tenant_limits(tenant)
+        self._check_tenant_limits(tenant, priority)
         ticket = Ticket(model, name, priority, cost)
         self._in_flight[name] += 1
         try:
@@ -132,16 +132,16 @@ class AdmissionController:
 
     # -- queueing and shedding ----------------------------------------------------------------------------------
 
-    def _check_tenant_limits(self, tenant: TenantSpec | None) -> None:
+    def _check_tenant_limits(self, tenant: TenantSpec | None, priority: Priority) -> None:
         if tenant is None:
             return
         if tenant.max_concurrent and self._in_flight[tenant.name] >= tenant.max_concurrent:
-            self._count_shed(Priority.BATCH, "max_concurrent")
+            self._count_shed(priority, "max_concurrent")
             raise Shed(f"tenant {tenant.name!r} has {tenant.max_concurrent} requests in flight (max_concurrent)",
                        "max_concurrent", 1.0)  # fmt: skip
         bucket = self._buckets.get(tenant.name)
         if bucket is not None and bucket.refill() <= 0:
-            self._count_shed(Priority.BATCH, "tokens_per_minute")
+            self._count_shed(priority, "tokens_per_minute")
             raise Shed(f"tenant {tenant.name!r} used its tokens_per_minute", "tokens_per_minute",
                        -bucket.level / bucket.rate + 1.0)  # fmt: skip
 

@@ -150,7 +150,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             if builder.finished:
                 self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
-                await self._close(stream, record, status_of(builder.finish_reason), builder.final_counts())
+                await self._close(stream, record, status_of(builder.finish_reason), builder.counts())
             yield chunk
 
     def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
@@ -166,7 +166,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _settle(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        counts = builder.final_counts()
+        counts = builder.counts()
         while not stream.finished and not stream.lost and (remaining := deadline - time.monotonic()) > 0:
             try:
                 item = await asyncio.wait_for(stream.queue.get(), remaining)

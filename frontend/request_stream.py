@@ -69,10 +69,6 @@ class ChunkBuilder:
         )
 
     def counts(self) -> FinalCounts:
-        """Counts as this stream delivered them so far."""
-        return self.final_counts()
-
-    def final_counts(self) -> FinalCounts:
         """Counts as far as this stream saw them (the scheduler's, at its last delta)."""
         last = self._last
         reason = self.finish_reason or "abort"

@@ -24,7 +24,6 @@ from gpu_runtime.ipc.messages import (
     AddRequest,
     FrontendHello,
     LoadReport,
-    RequestDelta,
     SchedulerReady,
     StepOutputs,
     frontend_codec,
@@ -241,6 +240,3 @@ class SchedulerLink:
 
     def _scheduler(self, worker_id: str) -> SchedulerState | None:
         return next((s for s in self.schedulers if s.address.worker_id == worker_id), None)
-
-
-__all__ = ["RequestDelta", "RequestStream", "SchedulerLink", "SchedulerLost", "SchedulerState"]

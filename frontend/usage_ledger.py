@@ -11,7 +11,6 @@ import asyncio
 import queue
 import sqlite3
 import threading
-import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -143,7 +142,3 @@ def _copy(record: UsageRecord) -> UsageRecord:
 def _resolve(done: asyncio.Future) -> None:
     if not done.done():
         done.set_result(None)
-
-
-def now() -> float:
-    return time.time()

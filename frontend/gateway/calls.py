@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from frontend.gateway.errors import OpenAIError, from_grpc
+from frontend.gateway.errors import from_grpc
 from frontend.gateway.openai_responses import ResponseShape
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
@@ -94,6 +94,3 @@ async def _pump(index: int, call, queue: asyncio.Queue) -> None:
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
-
-
-__all__ = ["GenerateCalls", "OpenAIError"]

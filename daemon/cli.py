@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from daemon.bench.flags import add_bench_flags
 from daemon.config import add_serve_flags
 
 
@@ -18,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--http-port", type=int, default=8000, help="listens on 127.0.0.1")
     gateway.add_argument("--sse-keepalive", type=float, default=5.0, help="seconds without a token before a comment")
     gateway.add_argument("--log-level", default="info")
+    bench = commands.add_parser("bench", help="benchmark a running daemon (vLLM bench serve's metrics)")
+    add_bench_flags(bench)
     usage = commands.add_parser("usage", help="token usage per tenant, from the usage ledger in the state directory")
     usage.add_argument("--state-dir", required=True)
     usage.add_argument("--since", default=None, help="ISO time (2026-11-29T10:00:00Z) or unix seconds")
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.serve_command import run_serve
 
         return run_serve(args)
+    if args.command == "bench":
+        from daemon.bench.command import run_bench
+
+        return run_bench(args)
     if args.command == "usage":
         from daemon.usage_command import run_usage
 

@@ -1,7 +1,8 @@
 """How a benchmark request reaches the daemon: OpenAI completions over HTTP/SSE, or Generate over gRPC.
 
-Both time a request the same way: start when it is sent, the first token when the first chunk with content
-arrives, one inter-token latency per later content chunk (vLLM's definitions), the end at the last byte.
+Both time a request the same way: start when it is sent, the first token when the first chunk of generated
+output arrives (a chunk with choices, even if its text is still empty, as vLLM's client counts it: a token can
+decode to nothing yet), one inter-token latency per later such chunk, the end at the last byte.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class OpenAIBackend:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         result.output_tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if chunk.get("choices"):
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - started

@@ -33,6 +33,12 @@ MODES = {
     "one-at-a-time": ["--max-num-seqs", "1"],
 }
 SLOS_MS = {"ttft": 2000.0, "tpot": 100.0}
+# Admission control off: every request is served however long it waits, so the modes are compared on the same
+# work (with shedding on, a slow mode would look fast by refusing most of it).
+NO_SHEDDING = [
+    "--interactive-ttft-target", "1e6", "--batch-ttft-target", "1e6",
+    "--batch-max-queue-wait", "1e6", "--max-queued-requests", "100000",
+]  # fmt: skip
 
 
 def log(message: str) -> None:
@@ -50,7 +56,7 @@ async def measure(url: str, requests, rate: float, seed: int) -> dict:
 def run_mode(name: str, flags: list[str], model_dir: Path, args) -> dict:
     saturation_load = long_tail_dataset(args.num_prompts, 258, seed=args.seed)
     sweep_load = long_tail_dataset(args.sweep_prompts, 258, seed=args.seed + 1)
-    common = ["--model", str(model_dir), "--kv-cache-bytes", str(256 << 20)]
+    common = ["--model", str(model_dir), "--kv-cache-bytes", str(256 << 20), *NO_SHEDDING]
     with LocalDaemon(*common, *flags, env={"TOKEND_DEBUG": "0"}) as daemon:
         asyncio.run(measure(daemon.http_url, saturation_load[:2], math.inf, args.seed))  # warm-up
         saturation = asyncio.run(measure(daemon.http_url, saturation_load, math.inf, args.seed))
@@ -95,6 +101,10 @@ def plot(results: dict, rates: list[float], out_dir: Path) -> list[str]:
     return figures
 
 
+def _failed(result: dict) -> int:
+    return result["saturation"]["failed"] + sum(point["failed"] for point in result["sweep"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=48, help="long-tail prompts at saturation")
@@ -114,6 +124,7 @@ def main() -> int:
         "benchmark": "serving_compare",
         "workload": f"long-tail, {args.num_prompts} prompts at saturation, seed {args.seed}",
         "saturation_output_tokens_per_s": saturation,
+        "failed": {name: _failed(result) for name, result in results.items()},
         "continuous_vs_static": saturation["continuous"] / saturation["static"],
         "continuous_vs_one_at_a_time": saturation["continuous"] / saturation["one-at-a-time"],
         "targets": {"continuous_vs_static": 3.0, "continuous_vs_one_at_a_time": 8.0},

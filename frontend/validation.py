@@ -79,18 +79,7 @@ def prepare(
             f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages, "
             f"but the whole cache holds {model.num_pages}"
         )
-    sampling = Sampling(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        seed=params.seed,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-    )
-    return PreparedRequest(token_ids, sampling, stop, _PRIORITIES[request.priority])
+    return PreparedRequest(token_ids, Sampling.of(params), stop, _PRIORITIES[request.priority])
 
 
 def _sampling_params(wire: pb.SamplingParams, fill_to: int | None) -> tuple[SamplingParams, list[str]]:

@@ -30,6 +30,27 @@ class RequestResult:
     error: str = ""
 
 
+class _Clock:
+    """Times one request into its result: send, each chunk of output, the end."""
+
+    def __init__(self, result: RequestResult):
+        self.result = result
+        self.started = self.last = time.perf_counter()
+
+    def output_chunk(self) -> None:
+        now = time.perf_counter()
+        if self.result.ttft == 0.0:
+            self.result.ttft = now - self.started
+        else:
+            self.result.itl.append(now - self.last)
+        self.last = now
+
+    def finish(self) -> RequestResult:
+        self.result.latency = time.perf_counter() - self.started
+        self.result.success = True
+        return self.result
+
+
 class OpenAIBackend:
     def __init__(self, base_url: str, model: str, api_key: str | None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -48,7 +69,7 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True},
         }
         result = RequestResult(prompt_len=len(request.prompt_token_ids))
-        started = last = time.perf_counter()
+        clock = _Clock(result)
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
@@ -61,18 +82,11 @@ class OpenAIBackend:
                     if chunk.get("usage"):
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices"):
-                        now = time.perf_counter()
-                        if result.ttft == 0.0:
-                            result.ttft = now - started
-                        else:
-                            result.itl.append(now - last)
-                        last = now
+                        clock.output_chunk()
         except httpx.HTTPError as error:
             result.error = repr(error)
             return result
-        result.latency = time.perf_counter() - started
-        result.success = True
-        return result
+        return clock.finish()
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -93,23 +107,16 @@ class GrpcBackend:
             priority=pb.PRIORITY_INTERACTIVE if request.interactive else pb.PRIORITY_BATCH,
         )
         result = RequestResult(prompt_len=len(request.prompt_token_ids))
-        started = last = time.perf_counter()
+        clock = _Clock(result)
         try:
             async for chunk in self._stub.Generate(message, metadata=self._metadata):
                 result.output_tokens = chunk.usage.completion_tokens
                 if chunk.token_ids:
-                    now = time.perf_counter()
-                    if result.ttft == 0.0:
-                        result.ttft = now - started
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                    clock.output_chunk()
         except grpc.aio.AioRpcError as error:
             result.error = f"{error.code().name}: {error.details()}"
             return result
-        result.latency = time.perf_counter() - started
-        result.success = True
-        return result
+        return clock.finish()
 
     async def close(self) -> None:
         await self._channel.close()

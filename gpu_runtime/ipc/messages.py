@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from gpu_runtime.sampling_params import SamplingParams
+
 
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """SamplingParams on the wire (stop strings stay in the frontend, which owns the text)."""
@@ -21,6 +23,15 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Sampling:
+        fields = {name: getattr(params, name) for name in cls.__struct_fields__}
+        return cls(**{**fields, "stop_token_ids": list(params.stop_token_ids)})
+
+    def to_params(self) -> SamplingParams:
+        """Validated on the way: ValueError names the field."""
+        return SamplingParams(**msgspec.structs.asdict(self))
 
 
 # -- frontend -> scheduler --------------------------------------------------------------------------------

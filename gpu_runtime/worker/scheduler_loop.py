@@ -21,7 +21,6 @@ from gpu_runtime.ipc.messages import (
     ToScheduler,
 )
 from gpu_runtime.outputs import StepOutput
-from gpu_runtime.sampling_params import SamplingParams
 from gpu_runtime.sequence import Priority
 from gpu_runtime.worker.io_threads import OutputWriter
 from gpu_runtime.worker.spec import WorkerSpec
@@ -89,19 +88,8 @@ class SchedulerLoop:
         return []
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
-        wire = message.sampling
         try:
-            params = SamplingParams(
-                max_tokens=wire.max_tokens,
-                temperature=wire.temperature,
-                top_p=wire.top_p,
-                top_k=wire.top_k,
-                min_p=wire.min_p,
-                seed=wire.seed,
-                stop_token_ids=tuple(wire.stop_token_ids),
-                ignore_eos=wire.ignore_eos,
-                logprobs=wire.logprobs,
-            )
+            params = message.sampling.to_params()
             self.engine.add_request(message.request_id, message.prompt_token_ids, params, Priority(message.priority))
         except ValueError as error:  # the frontend validates first; this is the backstop
             self._log.warning("request_refused", request_id=message.request_id, error=str(error))

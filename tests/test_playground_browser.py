@@ -11,7 +11,10 @@ import pytest
 from daemon_harness import ROOT, Daemon
 
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from tokend.v1 import tokend_pb2 as pb
 
+PROMPT = "Tell me a long story."
+MAX_TOKENS = 1900
 ARTIFACTS = Path(os.environ.get("TOKEND_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 
@@ -32,14 +35,21 @@ def test_the_playground_streams_shows_its_figures_and_stops(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     with Daemon() as daemon, sync_playwright() as playwright:
+        # Greedy, so that the random model's answer is known to run long (no early end-of-sequence) and Stop,
+        # not the model, ends it.
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPT)])
+        sampling = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        request = pb.GenerateRequest(chat=chat, sampling=sampling)
+        assert list(daemon.generation.Generate(request, timeout=120))[-1].finish_reason == "length"
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 800})
             page.goto(daemon.http_url + "/")
             expect(page.locator("#model option")).to_have_text(DEFAULT_MODEL_NAME)
-            page.fill("#prompt", "Tell me a long story.")
-            page.fill("#max-tokens", "1900")
+            page.fill("#prompt", PROMPT)
+            page.fill("#max-tokens", str(MAX_TOKENS))
+            page.fill("#temperature", "0")
             page.click("#send")
             expect(page.locator("#stats")).to_contain_text("ms to first token", timeout=60_000)
             expect(page.locator("#stats")).to_contain_text("tokens/s")

@@ -14,94 +14,26 @@ cache shows up as a mismatch, whatever the bookkeeping claims.
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from page_pool_fixtures import SALT, PageContents, chain_hashes, make_seq
 
-from gpu_runtime.kv_cache.kv_pool import KVPool
-from gpu_runtime.kv_cache.manager import KVCacheManager, PrefixMatch, page_hash
-from gpu_runtime.kv_cache.page_allocator import OutOfPagesError, PageAllocator
+from gpu_runtime.kv_cache.manager import KVCacheManager, PrefixMatch
+from gpu_runtime.kv_cache.page_allocator import OutOfPagesError
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
-from gpu_runtime.sampling_params import SamplingParams
 from gpu_runtime.sequence import Sequence
 
 VOCAB = 3  # so prompts, and the pages they fill, repeat often
 MAX_SEQS = 5
 NUM_RAW_HOLDERS = 3
-SALT = b"model-a"
 
 tokens_st = st.lists(st.integers(0, VOCAB - 1), max_size=6)
 prefix_st = st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10)
 HISTORY = 4  # the last few conversations a new request may continue
-
-
-def _seq(name: str, prompt: list[int] | None = None, max_tokens: int = 16) -> Sequence:
-    return Sequence(
-        name,
-        [1, 2, 3] if prompt is None else list(prompt),
-        SamplingParams(max_tokens=max_tokens),
-        max_model_len=1 << 20,
-        eos_token_ids=frozenset(),
-    )
-
-
-def _tiny_pool(num_pages: int, page_size: int) -> KVPool:
-    config = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=1)
-    return KVPool(config, num_pages, page_size, torch.float64, "cpu")
-
-
-def _chain(tokens: list[int], page_size: int, num_pages: int, salt: bytes = SALT) -> list[bytes]:
-    """The chained content hashes of the first `num_pages` full pages of `tokens`."""
-    hashes, parent = [], b""
-    for i in range(num_pages):
-        parent = page_hash(parent, tokens[i * page_size : (i + 1) * page_size], salt)
-        hashes.append(parent)
-    return hashes
-
-
-class PageContents:
-    """What each page's K/V holds, in a real KVPool: slot s holds an id naming the context that produced it.
-
-    K/V at position i depends on tokens[0..i], so the id names that whole tuple; V holds minus K, so a copy
-    that moved only one of them shows up too. Garbage (a raw holder's scratch data) has negative ids.
-    """
-
-    def __init__(self, num_pages: int, page_size: int):
-        self.page_size = page_size
-        self.pool = _tiny_pool(num_pages, page_size)
-        self._ids: dict[tuple[int, ...], int] = {}
-        self._garbage = 0
-
-    def id_of(self, context: list[int] | tuple[int, ...]) -> int:
-        return self._ids.setdefault(tuple(context), len(self._ids) + 1)
-
-    def expected(self, tokens: list[int] | tuple[int, ...], page_index: int) -> list[float]:
-        """The ids page `page_index` of a sequence with these tokens holds once computed."""
-        start = page_index * self.page_size
-        return [float(self.id_of(tokens[: start + s + 1])) for s in range(self.page_size)]
-
-    def _write(self, page: int, slot: int, value: float) -> None:
-        for k, v in self.pool.layers:
-            k[page, slot, 0, 0] = value
-            v[page, slot, 0, 0] = -value
-
-    def write_context(self, page: int, slot: int, context: list[int]) -> None:
-        self._write(page, slot, float(self.id_of(context)))
-
-    def scribble(self, page: int) -> None:
-        for slot in range(self.page_size):
-            self._garbage -= 1
-            self._write(page, slot, float(self._garbage))
-
-    def read(self, page: int) -> list[float]:
-        k, v = self.pool.layers[0]
-        keys = k[page, :, 0, 0].tolist()
-        assert v[page, :, 0, 0].tolist() == [-x for x in keys], f"page {page}: K and V disagree"
-        return keys
 
 
 class PrefixCachePoolMachine(RuleBasedStateMachine):
@@ -175,8 +107,8 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         bases = self.prefixes + self.history[-HISTORY:]
         return list(bases[index % len(bases)])
 
-    def _chain(self, tokens: list[int], num_pages: int) -> list[bytes]:
-        hashes = _chain(tokens, self.P, num_pages)
+    def chain_hashes(self, tokens: list[int], num_pages: int) -> list[bytes]:
+        hashes = chain_hashes(tokens, self.P, num_pages)
         for i, h in enumerate(hashes):
             self.hash_tokens.setdefault(h, tuple(tokens[: (i + 1) * self.P]))
         return hashes
@@ -229,7 +161,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             )
         pages, hashes = [], []
         if self.caching:
-            for h in self._chain(tokens, limit // self.P):
+            for h in self.chain_hashes(tokens, limit // self.P):
                 if h not in self.page_of:
                     break
                 pages.append(self.page_of[h])
@@ -302,7 +234,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         tokens = seq.prompt_token_ids + seq.output_token_ids
         have = len(seq.page_hashes)
         num_full = seq.num_computed_tokens // self.P
-        chain = self._chain(tokens, num_full)
+        chain = self.chain_hashes(tokens, num_full)
         before = self._snapshot()
         self.kv.commit_full_pages(seq)
         if not self.caching:
@@ -340,7 +272,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
     @rule(base=st.integers(0, 7), suffix=tokens_st, max_tokens=st.integers(1, 6), data=st.data())
     def new_request(self, base: int, suffix: list[int], max_tokens: int, data) -> None:
         prompt = (self._base(base) + suffix) or [0]
-        seq = _seq(f"r{self.next_request}", prompt, max_tokens)
+        seq = make_seq(f"r{self.next_request}", prompt, max_tokens)
         self.next_request += 1
         self.waiting.append(seq)
         self._admit(seq, data)
@@ -352,7 +284,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         same pages at once (the second copy of each page stays unregistered)."""
         for suffix in suffixes:
             prompt = (self._base(base) + suffix) or [0]
-            self.waiting.append(_seq(f"r{self.next_request}", prompt, max_tokens=4))
+            self.waiting.append(make_seq(f"r{self.next_request}", prompt, max_tokens=4))
             self.next_request += 1
 
     @precondition(lambda self: self.waiting)
@@ -544,7 +476,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         """Another worker's computed pages arrive (transfer.import_pages): they end up free and cached."""
         tokens = self._base(base) + suffix
         num_full = len(tokens) // self.P
-        chain = self._chain(tokens, num_full)
+        chain = self.chain_hashes(tokens, num_full)
         ids = [self.content.expected(tokens, i) for i in range(num_full)]
         keys = torch.tensor(ids, dtype=torch.float64).reshape(1, num_full, self.P, 1, 1)
         export = PageExport(self.P, chain, keys, -keys)
@@ -623,7 +555,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def integrity_checks_pass(self) -> None:
-        raw_holders = [_seq(f"raw{i}") for i in range(NUM_RAW_HOLDERS)]
+        raw_holders = [make_seq(f"raw{i}") for i in range(NUM_RAW_HOLDERS)]
         for holder, pages in zip(raw_holders, self.raw, strict=True):
             holder.page_ids = list(pages)
         self.kv.check_integrity(self._all_seqs() + raw_holders)
@@ -677,7 +609,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             assert len(set(seq.page_ids)) == len(seq.page_ids)
             assert len(seq.page_ids) >= self.kv.pages_for(computed)
             assert len(seq.page_hashes) == (computed // self.P if self.caching else 0)
-            assert seq.page_hashes == _chain(tokens, self.P, len(seq.page_hashes))
+            assert seq.page_hashes == chain_hashes(tokens, self.P, len(seq.page_hashes))
             for i, h in enumerate(seq.page_hashes):
                 page = seq.page_ids[i]
                 if (seq.request_id, i) in self.duplicates:
@@ -698,200 +630,3 @@ PrefixCachePoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPrefixCachePool = PrefixCachePoolMachine.TestCase
-
-
-# -- deterministic cases --------------------------------------------------------------------------
-
-
-def _computed(kv: KVCacheManager, name: str, prompt: list[int], num_tokens: int | None = None) -> Sequence:
-    """A sequence admitted (from whatever is cached) and computed up to `num_tokens` tokens."""
-    seq = _seq(name, prompt)
-    num_tokens = len(prompt) if num_tokens is None else num_tokens
-    assert kv.try_admit(seq, kv.find_cached_prefix(prompt, len(prompt) - 1), num_tokens)
-    seq.num_computed_tokens = num_tokens
-    kv.commit_full_pages(seq)
-    return seq
-
-
-def test_pool_needs_at_least_one_page():
-    with pytest.raises(ValueError, match="num_pages"):
-        PageAllocator(0)
-    with pytest.raises(ValueError, match="num_pages"):
-        KVCacheManager(0, 16)
-
-
-def test_pages_for_rounds_up():
-    manager = KVCacheManager(8, 16)
-    assert [manager.pages_for(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
-    assert manager.fits_pool(8 * 16)
-    assert not manager.fits_pool(8 * 16 + 1)
-
-
-def test_freed_pages_are_reused_and_a_shared_page_survives_one_owner():
-    allocator = PageAllocator(2)
-    a, b = allocator.allocate(2)
-    allocator.share(a)
-    allocator.free([a])  # one owner left
-    with pytest.raises(OutOfPagesError):
-        allocator.allocate(1)
-    allocator.free([a, b])
-    assert sorted(allocator.allocate(2)) == [a, b]
-
-
-def test_over_free_of_an_owned_page_raises():
-    allocator = PageAllocator(3)
-    (page,) = allocator.allocate(1)
-    allocator.free([page])
-    with pytest.raises(ValueError, match="freed more often than it was owned"):
-        allocator.free([page])
-    assert allocator.num_free_pages == 3
-
-
-def test_rejected_free_changes_nothing():
-    allocator = PageAllocator(4)
-    a, b = allocator.allocate(2)
-    allocator.register(a, b"h")
-    allocator.free([b])
-    with pytest.raises(ValueError):
-        allocator.free([a, b])  # b is already free
-    assert allocator.ref_count(a) == 1 and allocator.num_free_pages == 3
-    assert allocator.lookup(b"h") == a and not allocator.is_evictable(a)
-
-
-def test_release_then_reserve_again():
-    manager = KVCacheManager(4, 4)
-    seq = _seq("a")
-    assert manager.try_reserve(seq, 16)  # all four pages
-    assert not manager.try_reserve(_seq("b"), 1)
-    seq.num_computed_tokens = 16
-    manager.release(seq)
-    assert seq.page_ids == [] and seq.num_computed_tokens == 0
-    assert manager.num_free_pages == 4
-    assert manager.try_reserve(seq, 5) and len(seq.page_ids) == 2
-
-
-def test_a_failed_try_reserve_takes_no_page_even_when_some_are_free():
-    kv = KVCacheManager(4, 2)
-    seq = _seq("a", list(range(9)))
-    assert kv.try_reserve(seq, 3)  # two pages
-    pages = list(seq.page_ids)
-    assert not kv.try_reserve(seq, 9)  # three more needed, two free
-    assert seq.page_ids == pages and kv.num_free_pages == 2
-    assert kv.try_reserve(seq, 8) and len(seq.page_ids) == 4 and seq.page_ids[:2] == pages
-    kv.check_integrity([seq])
-
-
-def test_register_needs_an_owned_page_and_keeps_the_first_page_for_a_hash():
-    allocator = PageAllocator(3)
-    with pytest.raises(ValueError, match="free"):
-        allocator.register(0, b"x")
-    a, b = allocator.allocate(2)
-    allocator.register(a, b"x")
-    allocator.register(b, b"x")  # the same content computed twice: the first copy stays
-    allocator.register(a, b"y")  # a page holds one content
-    assert allocator.lookup(b"x") == a and allocator.hash_of(b) is None and allocator.lookup(b"y") is None
-    allocator.free([a, b])
-    assert allocator.is_evictable(a) and not allocator.is_evictable(b)
-    assert allocator.num_free_pages == 3 and allocator.num_cached_pages == 1
-
-
-def test_allocate_takes_empty_pages_first_then_evicts_the_least_recently_freed():
-    allocator = PageAllocator(4)
-    pages = allocator.allocate(4)
-    for i, page in enumerate(pages[:3]):
-        allocator.register(page, bytes([i]))
-    allocator.free([pages[1], pages[0], pages[2], pages[3]])  # cached in the order 1, 0, 2
-    assert allocator.allocate(1) == [pages[3]]  # the empty one first
-    assert allocator.num_evictions == 0
-    allocator.share(pages[1])  # revived: no longer evictable, keeps its content
-    allocator.free([pages[1]])  # now the most recently freed
-    assert allocator.allocate(2) == [pages[0], pages[2]]
-    assert allocator.num_evictions == 2
-    assert allocator.lookup(bytes([0])) is None and allocator.lookup(bytes([2])) is None
-    assert allocator.lookup(bytes([1])) == pages[1]
-
-
-def test_release_frees_the_tail_first_so_the_head_of_a_prefix_stays_cached():
-    kv = KVCacheManager(4, 2)
-    seq = _computed(kv, "a", [0, 1, 2, 3, 4, 5, 6], 6)  # three full pages, cached when freed
-    kv.release(seq)
-    assert kv.num_free_pages == 4 and kv.allocator.num_cached_pages == 3
-    hog = kv.allocator.allocate(2)  # the empty page, then one eviction: the last page of the prefix
-    assert kv.allocator.num_evictions == 1
-    match = kv.find_cached_prefix([0, 1, 2, 3, 4, 5, 6], 6)
-    assert match.num_tokens(2) == 4
-    kv.allocator.free(hog)
-
-
-def test_find_cached_prefix_respects_max_tokens_salt_and_caching_off():
-    kv = KVCacheManager(8, 2, salt=b"m1")
-    prompt = [1, 2, 3, 4, 5]
-    seq = _computed(kv, "a", prompt, 4)
-    assert kv.find_cached_prefix(prompt).page_ids == seq.page_ids[:2]
-    assert kv.find_cached_prefix(prompt, 3).page_ids == seq.page_ids[:1]
-    assert kv.find_cached_prefix(prompt, 1).page_ids == []
-    assert kv.find_cached_prefix([1, 2, 9, 9]).page_ids == seq.page_ids[:1]
-    assert kv.find_cached_prefix([9, 2, 3, 4]).page_ids == []  # a later page never matches without its parents
-    other = KVCacheManager(8, 2, salt=b"m2")
-    for page, h in zip(other.allocator.allocate(2), seq.page_hashes, strict=True):
-        other.allocator.register(page, h)
-    assert other.find_cached_prefix(prompt).page_ids == []  # another model's pages never match
-    off = KVCacheManager(8, 2, enable_prefix_caching=False)
-    seq_off = _computed(off, "b", prompt, 4)
-    assert seq_off.page_hashes == [] and off.allocator.num_cached_pages == 0
-    assert off.find_cached_prefix(prompt).page_ids == []
-
-
-def test_a_failed_try_admit_changes_nothing():
-    kv = KVCacheManager(3, 2)
-    first = _computed(kv, "a", [1, 2, 3, 4, 5], 4)
-    kv.release(first)  # two cached pages, one empty
-    hog = kv.allocator.allocate(1)  # the empty one
-    seq = _seq("b", [1, 2, 3, 4, 7, 7, 7])
-    match = kv.find_cached_prefix(seq.prompt_token_ids, 6)
-    assert len(match.page_ids) == 2
-    assert not kv.try_admit(seq, match, 6)  # reviving two pages + one fresh: only two free
-    assert (seq.page_ids, seq.page_hashes, seq.num_computed_tokens) == ([], [], 0)
-    assert kv.num_free_pages == 2 and all(kv.allocator.is_evictable(p) for p in match.page_ids)
-    assert kv.num_prefix_query_tokens == 5 and kv.num_prefix_hit_tokens == 0  # only "a" counted
-    assert kv.try_admit(seq, match, 4)  # the cached prefix alone fits
-    assert seq.page_ids == match.page_ids and seq.num_computed_tokens == 4 == seq.num_cached_tokens
-    assert kv.num_free_pages == 0
-    kv.allocator.check_integrity([seq.page_ids, hog])
-
-
-def test_import_keeps_the_already_cached_part_of_the_prefix_it_imports():
-    """Regression (fixed in 470f139): making room for the missing pages once evicted the cached head."""
-    kv = KVCacheManager(3, 1)
-    pool = _tiny_pool(3, 1)
-    busy = _seq("busy", [9, 9])
-    assert kv.try_reserve(busy, 1)  # a running request holds one page
-    tokens = [0, 1]
-    chain = _chain(tokens, 1, 2, salt=b"")
-    head, other = kv.allocator.allocate(2)
-    kv.allocator.register(head, chain[0])  # the prefix's first page is already cached here...
-    kv.allocator.register(other, b"other content")
-    kv.allocator.free([head, other])  # ...and is the oldest cached page, the first to be evicted
-    keys = torch.ones(1, 2, 1, 1, 1, dtype=torch.float64)
-    assert import_pages(kv, pool, PageExport(1, chain, keys, -keys)) == 1  # only the second page was new
-    match = kv.find_cached_prefix(tokens)
-    assert match.page_ids[0] == head and len(match.page_ids) == 2, "the imported prefix is not found whole"
-    assert kv.allocator.lookup(b"other content") is None  # room was made from another cached page
-    kv.check_integrity([busy])
-
-
-def test_an_import_that_does_not_fit_without_evicting_its_own_head_is_refused():
-    kv = KVCacheManager(2, 1)
-    pool = _tiny_pool(2, 1)
-    busy = _seq("busy", [9, 9])
-    assert kv.try_reserve(busy, 1)
-    chain = _chain([0, 1], 1, 2, salt=b"")
-    (head,) = kv.allocator.allocate(1)
-    kv.allocator.register(head, chain[0])
-    kv.allocator.free([head])
-    keys = torch.ones(1, 2, 1, 1, 1, dtype=torch.float64)
-    with pytest.raises(ValueError, match="pages"):
-        import_pages(kv, pool, PageExport(1, chain, keys, -keys))
-    assert kv.allocator.lookup(chain[0]) == head and kv.allocator.is_evictable(head)
-    assert kv.num_free_pages == 1 and kv.allocator.num_cached_pages == 1
-    kv.check_integrity([busy])

@@ -54,6 +54,8 @@ def daemon(tmp_path_factory):
     config = tmp_path_factory.mktemp("admission") / "tokend.toml"
     config.write_text(
         "max_num_seqs = 4\nmax_queued_requests = 6\n"
+        # Targets no projection can miss here: these tests are about order and queue bounds, not projections.
+        "interactive_ttft_target = 1000\nbatch_ttft_target = 1000\n"
         + _tenant("chat", priority="interactive")
         + _tenant("jobs", priority="batch", max_priority="batch")
     )

@@ -2,9 +2,10 @@
 
 Requests wait here, not in the schedulers, so that policy decides the order: interactive before batch; within
 a class, the backlogged tenant that has been served the fewest tokens first (virtual token counters); batch
-shed before interactive. A scheduler gets batch work only while it has a free slot, and interactive work a
-little beyond that (it then takes a running batch request's slot there). Per-tenant limits (requests in flight,
-tokens per minute) are refused at once with RESOURCE_EXHAUSTED and a retry hint.
+shed before interactive. Batch work gets only the slots interactive work has left spare over the last few
+seconds; interactive work gets every slot, and a little beyond (it then takes a running batch request's slot
+there). Per-tenant limits (requests in flight, tokens per minute) are refused at once with RESOURCE_EXHAUSTED
+and a retry hint.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from frontend.validation import RequestError
 from gpu_runtime.sequence import Priority
 
 _RATE_WINDOW_S = 10.0  # dispatches counted over this window give the pool's service rate
-_PRESSURE_HOLD_S = 2.0  # after interactive work last had to wait, batch work stays queued this long
+# Batch work may use the slots interactive work left unused at its peak over this window. A batch request sent
+# into slots interactive needs again soon is preempted, its work thrown away, and it still takes capacity while
+# it runs (measured: letting batch fill the free slots 2 s after interactive last waited lost 30-40 batch
+# requests' work per 30 s at 2x load and pushed interactive into being shed).
+SPARE_WINDOW_S = 5.0
 # Interactive requests are refused once their projected TTFT passes this share of the target: the projection
 # leaves out the prefill and its noise, and the p99, not the mean, must stay within the target.
 _INTERACTIVE_MARGIN = 0.85
@@ -59,7 +64,22 @@ class Pool:
     )
     served: dict[tuple[Priority, str], float] = field(default_factory=dict)  # virtual tokens served
     dispatches: collections.deque[float] = field(default_factory=collections.deque)  # recent dispatch times
-    interactive_waited_at: float = -math.inf  # when an interactive request last found no free slot
+    in_flight: collections.Counter[Priority] = field(default_factory=collections.Counter)  # dispatched, not ended
+    # (time, interactive requests in flight or queued), kept so that its maximum over SPARE_WINDOW_S is the
+    # front entry: interactive's recent peak demand for slots
+    interactive_peaks: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+
+    def note_interactive_demand(self, now: float) -> None:
+        demand = self.in_flight[Priority.INTERACTIVE] + sum(len(q) for q in self.queues[Priority.INTERACTIVE].values())
+        while self.interactive_peaks and self.interactive_peaks[-1][1] <= demand:
+            self.interactive_peaks.pop()  # a smaller, older sample can never be the window's maximum again
+        self.interactive_peaks.append((now, demand))
+        while self.interactive_peaks[0][0] < now - SPARE_WINDOW_S:
+            self.interactive_peaks.popleft()
+
+    @property
+    def interactive_peak(self) -> int:
+        return self.interactive_peaks[0][1] if self.interactive_peaks else 0
 
 
 class TokenBucket:
@@ -112,11 +132,13 @@ class AdmissionController:
             self._in_flight[name] -= 1
             if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
                 ticket.future.result().reserved -= 1  # dispatched, but its caller went away before sending it
+                self._pool(model).in_flight[priority] -= 1
             raise
 
-    def release(self, tenant: str | None) -> None:
+    def release(self, model: str, tenant: str | None, priority: Priority) -> None:
         """A dispatched request ended: its tenant has one fewer in flight, and a slot may be free."""
         self._in_flight[tenant or ""] -= 1
+        self._pool(model).in_flight[priority] -= 1
         self.pump()
 
     def account(
@@ -157,8 +179,6 @@ class AdmissionController:
         self.pump()
         if not ticket.future.done():  # it has to wait: the policy decides whether it may
             self._metrics.admission_queued.labels(ticket.priority.name.lower()).inc()
-            if ticket.priority == Priority.INTERACTIVE:
-                pool.interactive_waited_at = time.monotonic()
             self._apply_pressure(ticket)
         self._update_depth()
 
@@ -191,20 +211,21 @@ class AdmissionController:
 
     def pump(self) -> None:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
-        for pool in self._pools.values():
+        now = time.monotonic()
+        for model, pool in self._pools.items():
+            pool.note_interactive_demand(now)  # at every change of demand: arrivals, dispatches, ends all pump
             for priority in Priority:
-                # Right after interactive work had to wait, batch waits too: a batch request sent now would soon
-                # be preempted, its work thrown away (measured: letting batch fill even 3/4 of the slots then
-                # costs interactive its p99 target at 2x load).
-                pressure = time.monotonic() - pool.interactive_waited_at < _PRESSURE_HOLD_S
                 while (ticket := self._next_ticket(pool, priority)) is not None:
-                    scheduler = self._scheduler_with_room(ticket, pressure)
+                    if priority == Priority.BATCH and pool.in_flight[priority] >= self._spare_slots(model, pool):
+                        break
+                    scheduler = self._scheduler_with_room(ticket)
                     if scheduler is None:
                         break
                     pool.queues[priority][ticket.tenant].popleft()
                     key = (priority, ticket.tenant)
                     pool.served[key] = pool.served.get(key, 0.0) + ticket.cost
                     pool.dispatches.append(time.monotonic())
+                    pool.in_flight[priority] += 1
                     self._metrics.admission_admitted.labels(priority.name.lower()).inc()
                     scheduler.reserved += 1
                     ticket.future.set_result(scheduler)
@@ -222,12 +243,17 @@ class AdmissionController:
     def _pool(self, model: str) -> Pool:
         return self._pools.setdefault(model, Pool())
 
-    def _scheduler_with_room(self, ticket: Ticket, pressure: bool = False) -> SchedulerState | None:
-        limit = self._slot_limit(ticket.priority, pressure)
+    def _spare_slots(self, model: str, pool: Pool) -> int:
+        """Slots in the pool that interactive work did not need at its peak over the last few seconds."""
+        slots = sum(s.ready.max_num_seqs for s in self._link.ready_schedulers(model))
+        return slots - pool.interactive_peak
+
+    def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
+        limit = self._slot_limit(ticket.priority)
         ready = [s for s in self._link.ready_schedulers(ticket.model) if len(s.requests) + s.reserved < limit(s)]
         return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
 
-    def _slot_limit(self, priority: Priority, pressure: bool):
+    def _slot_limit(self, priority: Priority):
         if priority == Priority.INTERACTIVE:
             # Beyond the batch's depth only as far as batch requests hold slots there: the scheduler lets an
             # interactive request take one of theirs. Past that it would just wait in the scheduler's queue,
@@ -237,8 +263,6 @@ class AdmissionController:
                 return s.ready.max_num_seqs + min(displaceable, max(1, s.ready.max_num_seqs // 2))
 
             return interactive_limit
-        if pressure:
-            return lambda s: 0
         return lambda s: s.ready.max_num_seqs
 
     def _projected_ttft(self, ticket: Ticket) -> float:

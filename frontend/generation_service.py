@@ -190,7 +190,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The request no longer holds a scheduler slot: the next queued one may go."""
         if self._link.is_in_flight(stream.request_id):
             self._link.forget(stream)
-            self._admission.release(stream.tenant)
+            self._admission.release(stream.scheduler.address.model_name, stream.tenant, Priority(stream.priority))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:

@@ -157,7 +157,7 @@ class LLMEngine:
             work.seq.num_computed_tokens += work.num_new_tokens
         for seq in itertools.chain(scheduled.decodes, (work.seq for work in scheduled.prefills)):
             self.kv.commit_full_pages(seq)
-        self.stats.observe_kv(self.kv, self.scheduler.running)
+        self.stats.observe_kv(self.kv, self.scheduler.running + self.scheduler.held)
         outputs = [
             self._append_sampled(seq, token, logprob)
             for seq, token, logprob in zip(inputs.sampling, tokens, logprobs, strict=True)
@@ -183,7 +183,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Asserts the page pool's invariants against every live sequence (AssertionError if broken)."""
-        self.kv.check_integrity(self.scheduler.running + self.scheduler.waiting)
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.held + self.scheduler.waiting)
 
     def export_prefix(self, token_ids: list[int]) -> PageExport:
         """The K/V of the longest cached prefix of `token_ids`, as tensors plus page hashes."""

@@ -26,13 +26,14 @@ class EngineStats:
     peak_kv_waste: float = 0.0  # share of allocated page slots holding no token, at the peak
     num_preemptions: int = 0
 
-    def observe_kv(self, kv: KVCacheManager, running: list[Sequence]) -> None:
+    def observe_kv(self, kv: KVCacheManager, holders: list[Sequence]) -> None:
+        """`holders`: every sequence that holds pages (running, and a static batch's finished ones)."""
         used = kv.num_used_pages
         if used <= self.peak_used_pages:
             return
         # A shared page counts once, as full as its fullest owner has computed it.
         fill: dict[int, int] = {}
-        for seq in running:
+        for seq in holders:
             for index, page in enumerate(seq.page_ids):
                 tokens = min(kv.page_size, max(0, seq.num_computed_tokens - index * kv.page_size))
                 fill[page] = max(fill.get(page, 0), tokens)
@@ -42,7 +43,7 @@ class EngineStats:
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, total_forward_seconds: float) -> None:
         self.num_steps += 1
         self.num_decode_tokens += len(scheduled.decodes)
-        self.num_prefill_tokens += scheduled.num_tokens - len(scheduled.decodes)
+        self.num_prefill_tokens += sum(work.num_new_tokens for work in scheduled.prefills)
         self.step_seconds += seconds
         self.last_step_seconds = seconds
         if scheduled.prefills:

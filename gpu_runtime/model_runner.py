@@ -23,6 +23,11 @@ class StepInputs:
     sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
 
 
+def pages_for(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:
+    """The block table's first pages, those that hold the sequence's first `num_tokens` tokens."""
+    return seq.page_ids[: -(-num_tokens // page_size)]
+
+
 class ModelRunner:
     """Owns the model and the KV pool; knows nothing of queues or sampling policy."""
 
@@ -45,13 +50,22 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             pages = seq.page_ids
-            spans.append(SequenceSpan(len(input_ids), num_new, end, self._tensor(pages[: -(-end // page_size)])))
+            spans.append(SequenceSpan(len(input_ids), num_new, end, self._tensor(pages_for(seq, end, page_size))))
             input_ids.extend(seq.token_ids_range(start, end))
             positions.extend(range(start, end))
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
             if end == seq.num_tokens:  # its last token is in: it samples (a mid-prompt chunk does not)
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
+        for seq in step.padding:
+            # A static batch's finished sequence: its last computed position again, attending over its own
+            # pages, as a padded batch row would. Its K/V is not stored (rows past the slot mapping are not).
+            context = seq.num_computed_tokens
+            if context == 0:
+                continue
+            spans.append(SequenceSpan(len(input_ids), 1, context, self._tensor(pages_for(seq, context, page_size))))
+            input_ids.extend(seq.token_ids_range(context - 1, context))
+            positions.append(context - 1)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), spans=tuple(spans))
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), sampling)
 

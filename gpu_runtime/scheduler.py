@@ -16,7 +16,8 @@ from gpu_runtime.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in the running batch at most
     max_num_batched_tokens: int = 4096  # tokens one forward computes at most
-    scheduling: str = "continuous"  # or "static": a batch is admitted only once the last one has finished
+    # or "static": a batch is admitted only once the last one has finished, and keeps its shape until then
+    scheduling: str = "continuous"
     enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep flowing
     ttft_slo_ms: float | None = None  # hold the batch depth so a new prompt's first token comes this fast
     itl_slo_ms: float | None = None  # hold each step's token budget so running streams keep this pace
@@ -44,10 +45,12 @@ class PrefillWork:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes: one token per decode, a run of prompt tokens per prefill."""
+    """What one step computes: one token per decode, a run of prompt tokens per prefill, one padding row per
+    finished sequence that a static batch still holds."""
 
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillWork] = field(default_factory=list)
+    padding: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     plan: StepPlan | None = None
 
@@ -57,11 +60,12 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(work.num_new_tokens for work in self.prefills)
+        """Rows the forward computes, padding included (it costs the same as a decode)."""
+        return len(self.decodes) + sum(work.num_new_tokens for work in self.prefills) + len(self.padding)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
+        return len(self.decodes) + len(self.prefills) + len(self.padding)
 
     def tokens_of(self, seq: Sequence) -> int:
         if seq in self.decodes:
@@ -80,6 +84,10 @@ class Scheduler:
     When pages run out, the victim is the lowest-priority sequence, most recently admitted among those; it
     is preempted by recompute: its pages are freed (their full pages stay in the prefix cache, so its own
     prefix is usually found again) and it goes back to the waiting queue in its original place.
+
+    Static scheduling (the benchmark baseline) batches the way FasterTransformer or `transformers` generate do:
+    a batch is admitted whole, and a sequence that finishes early keeps its slot and pages and is still
+    computed, as a padding row whose output nobody reads, until the whole batch has finished.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
@@ -87,6 +95,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # static batching only: finished, still holding slot and pages
         self.num_preemptions = 0
         self.policy = LatencyPolicy(
             LatencyTargets(config.ttft_slo_ms, config.itl_slo_ms),
@@ -106,7 +115,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         head_tokens = self.waiting[0].num_uncomputed_tokens if self.waiting else 0
-        out = SchedulerOutput(plan=self.policy.plan(len(self.running), head_tokens))
+        out = SchedulerOutput(plan=self.policy.plan(len(self.running), head_tokens), padding=list(self.held))
         budget = self._schedule_running(out, out.plan.token_budget)
         if not out.preempted and self._may_admit():
             self._admit_waiting(out, budget, out.plan.max_running)
@@ -195,6 +204,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.running.remove(seq)
         self.kv.release(seq)
+        self._release_held_once_drained()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -202,13 +212,24 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Removes a finished or aborted sequence from whichever queue holds it and frees its pages."""
-        if seq.status is SequenceStatus.RUNNING:
+        was_running = seq.status is SequenceStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.kv.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if was_running and self.config.scheduling == "static" and self.running:
+            self.held.append(seq)  # its batch is still running: it keeps its slot until the batch drains
+            return
+        self.kv.release(seq)
+        self._release_held_once_drained()
+
+    def _release_held_once_drained(self) -> None:
+        if not self.running:
+            for seq in self.held:
+                self.kv.release(seq)
+            self.held.clear()
 
     # -- leading indicators ---------------------------------------------------------------------------------
 

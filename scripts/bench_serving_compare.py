@@ -2,7 +2,9 @@
 on one machine: saturation throughput on the long-tail workload, and a request-rate sweep drawn as
 throughput-latency and goodput curves. Prints JSON; writes PNG plots.
 
-    .venv/bin/python scripts/bench_serving_compare.py [--num-prompts 48] [--rates 1 2 4] [--out-dir docs/serving]
+    .venv/bin/python scripts/bench_serving_compare.py [--num-prompts 128] [--max-num-seqs 32] [--rates 1 2 4]
+
+`scripts/perf_report.py` runs this and renders docs/PERFORMANCE.md from its JSON.
 
 Every mode serves the same 17.8 M-parameter model from the same seeded workload through `tokend serve`'s
 OpenAI gateway, measured with `tokend bench`'s own runner (vLLM's metric definitions).
@@ -12,26 +14,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine import write_bench_model  # noqa: E402
+from bench_engine import decode_step_ms_by_batch, write_bench_model  # noqa: E402
+from machine_facts import machine_facts, parameter_count  # noqa: E402
 
 from daemon.bench.backends import OpenAIBackend  # noqa: E402
-from daemon.bench.datasets import long_tail_dataset  # noqa: E402
+from daemon.bench.datasets import BenchRequest, long_tail_dataset  # noqa: E402
 from daemon.bench.runner import run_benchmark  # noqa: E402
 from daemon.local_daemon import LocalDaemon  # noqa: E402
 
-MODES = {
-    "continuous": ["--max-num-seqs", "16"],
-    "static": ["--max-num-seqs", "16", "--scheduling", "static"],
-    "one-at-a-time": ["--max-num-seqs", "1"],
-}
+BYTE_VOCAB = 258  # the byte-level tokenizer's: every token detokenizes to text
 SLOS_MS = {"ttft": 2000.0, "tpot": 100.0}
 # Admission control off: every request is served however long it waits, so the modes are compared on the same
 # work (with shedding on, a slow mode would look fast by refusing most of it).
@@ -53,9 +54,36 @@ async def measure(url: str, requests, rate: float, seed: int) -> dict:
         await backend.close()
 
 
+def saturation_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    return long_tail_dataset(args.num_prompts, BYTE_VOCAB, seed=args.seed, max_output=args.max_output_len)
+
+
+def sweep_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    return long_tail_dataset(args.sweep_prompts, BYTE_VOCAB, seed=args.seed + 1, max_output=args.max_output_len)
+
+
+def describe(requests: list[BenchRequest]) -> dict:
+    """Sizes and a fingerprint of a workload: the same seed must give the same fingerprint on any machine."""
+    digest = hashlib.sha256(json.dumps([[r.prompt_token_ids, r.output_len] for r in requests]).encode())
+    return {
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "longest_output": max(r.output_len for r in requests),
+        "sha256": digest.hexdigest()[:16],
+    }
+
+
+def static_rows_per_output_token(requests: list[BenchRequest], batch_size: int) -> float:
+    """Decode rows a static batch computes per useful output token: each batch of `batch_size` runs all its
+    rows until its longest output is done (in arrival order, as the static scheduler admits them)."""
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    rows = sum(len(batch) * max(r.output_len for r in batch) for batch in batches)
+    return rows / sum(r.output_len for r in requests)
+
+
 def run_mode(name: str, flags: list[str], model_dir: Path, args) -> dict:
-    saturation_load = long_tail_dataset(args.num_prompts, 258, seed=args.seed)
-    sweep_load = long_tail_dataset(args.sweep_prompts, 258, seed=args.seed + 1)
+    saturation_load, sweep_load = saturation_workload(args), sweep_workload(args)
     common = ["--model", str(model_dir), "--kv-cache-bytes", str(256 << 20), *NO_SHEDDING]
     with LocalDaemon(*common, *flags, env={"TOKEND_DEBUG": "0"}) as daemon:
         asyncio.run(measure(daemon.http_url, saturation_load[:2], math.inf, args.seed))  # warm-up
@@ -105,24 +133,52 @@ def _failed(result: dict) -> int:
     return result["saturation"]["failed"] + sum(point["failed"] for point in result["sweep"])
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=48, help="long-tail prompts at saturation")
+    parser.add_argument("--num-prompts", type=int, default=128, help="long-tail prompts at saturation")
     parser.add_argument("--sweep-prompts", type=int, default=24, help="long-tail prompts per sweep point")
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size of continuous and static")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="cap on the long-tail output lengths")
+    parser.add_argument("--model", type=Path, help="checkpoint to serve (default: the 17.8 M benchmark Llama)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path("docs/serving"))
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def modes(max_num_seqs: int) -> dict[str, list[str]]:
+    batch = ["--max-num-seqs", str(max_num_seqs)]
+    return {"continuous": batch, "static": [*batch, "--scheduling", "static"], "one-at-a-time": ["--max-num-seqs", "1"]}
+
+
+def run_comparison(args: argparse.Namespace) -> dict:
+    """Runs every mode on the same workload; writes the JSON and the plots to `args.out_dir`; returns the JSON."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tokend-bench-") as scratch:
-        model_dir = Path(scratch) / "model"
-        write_bench_model(model_dir, vocab_size=258)
-        results = {name: run_mode(name, flags, model_dir, args) for name, flags in MODES.items()}
+        model_dir = args.model
+        if model_dir is None:
+            model_dir = Path(scratch) / "model"
+            write_bench_model(model_dir, vocab_size=BYTE_VOCAB)
+        parameters = parameter_count(model_dir)
+        results = {name: run_mode(name, flags, model_dir, args) for name, flags in modes(args.max_num_seqs).items()}
+        step_ms = decode_step_ms_by_batch(model_dir, (1, args.max_num_seqs))
     figures = plot(results, args.rates, args.out_dir)
     saturation = {name: r["saturation"]["output_throughput"] for name, r in results.items()}
     report = {
         "benchmark": "serving_compare",
-        "workload": f"long-tail, {args.num_prompts} prompts at saturation, seed {args.seed}",
+        "machine": machine_facts(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "model_parameters": parameters,
+        "max_num_seqs": args.max_num_seqs,
+        "seed": args.seed,
+        "num_prompts": args.num_prompts,
+        "sweep_prompts": args.sweep_prompts,
+        "workload": {
+            "saturation": describe(saturation_workload(args)),
+            "sweep": describe(sweep_workload(args)),
+        },
+        "slos_ms": SLOS_MS,
         "saturation_output_tokens_per_s": saturation,
         "failed": {name: _failed(result) for name, result in results.items()},
         "continuous_vs_static": saturation["continuous"] / saturation["static"],
@@ -132,13 +188,18 @@ def main() -> int:
             name: {k: r["saturation"][k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_e2el_ms")}
             for name, r in results.items()
         },
+        "decode_step_ms_by_batch": step_ms,
+        "static_rows_per_output_token": static_rows_per_output_token(saturation_workload(args), args.max_num_seqs),
         "rates": args.rates,
         "results": results,
-        "figures": figures,
+        "figures": [str(Path(f).relative_to(args.out_dir)) for f in figures],
     }
-    text = json.dumps(report, indent=2)
-    (args.out_dir / "serving_compare.json").write_text(text + "\n")
-    print(text)
+    (args.out_dir / "serving_compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main() -> int:
+    print(json.dumps(run_comparison(parse_args()), indent=2))
     return 0
 
 

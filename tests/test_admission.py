@@ -12,6 +12,7 @@ import grpc
 import pytest
 from daemon_harness import Daemon
 
+from frontend.admission import SPARE_WINDOW_S
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -147,8 +148,24 @@ def test_tenant_limits_refuse_with_a_retry_hint(limited):
     assert all(s["code"] is None for s in running)
 
 
+def test_batch_work_gets_only_the_slots_interactive_work_left_spare_lately(limited):
+    async def scenario():
+        async with grpc.aio.insecure_channel(limited.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            # Interactive work fills both slots, briefly; then the pool is idle again.
+            await asyncio.gather(*(_stream(stub, _request(350 + i, 5), "few") for i in range(2)))
+            right_after = await _stream(stub, _request(352, 5), "a")  # may wait 0.5 s: the window is longer
+            await asyncio.sleep(SPARE_WINDOW_S)
+            later = await _stream(stub, _request(353, 5), "a")
+            return right_after, later
+
+    right_after, later = asyncio.run(scenario())
+    assert right_after["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_wait" in right_after["details"]
+    assert later["code"] is None and later["tokens"] == 5
+
+
 def test_a_batch_request_that_waits_too_long_is_shed(limited):
-    time.sleep(2.5)  # past any interactive pressure of earlier tests, when batch keeps slots free
+    time.sleep(SPARE_WINDOW_S + 0.5)  # past earlier tests' interactive peaks, when batch keeps slots free
 
     async def scenario():
         async with grpc.aio.insecure_channel(limited.address) as channel:

@@ -25,9 +25,11 @@ class SequenceSpan:
 class AttentionMetadata:
     """Built once per step and shared by every layer.
 
-    The flattened batch holds each sequence's new tokens back to back (decodes first, then prefills),
-    so no row is padding and no sequence's keys are padded to another's length.
+    The flattened batch holds each sequence's new tokens back to back (decodes first, then prefills; padding
+    rows only in static batching, last), and no sequence's keys are padded to another's length.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot (page * page_size + offset) per new token
+    # Flat cache slot (page * page_size + offset) of each new token; the rows after the last one, if any, are
+    # padding (a static batch's finished sequences): computed, never stored.
+    slot_mapping: torch.Tensor
     spans: tuple[SequenceSpan, ...]

@@ -34,8 +34,9 @@ class TorchPagedAttention(AttentionBackend):
 
 def _write_pages(k, v, k_pages, v_pages, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    stored = slot_mapping.numel()  # the rows after these are padding
+    k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k[:stored])
+    v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v[:stored])
 
 
 def _gather_context(pages: torch.Tensor, span: SequenceSpan) -> torch.Tensor:

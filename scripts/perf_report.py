@@ -1,5 +1,5 @@
 """Regenerates docs/PERFORMANCE.md: runs the serving comparison (continuous vs static vs one request at a time,
-through the gateway) and renders its JSON into the report, plots included. About 10 minutes on 2 cores.
+through the gateway) and renders its JSON into the report, plots included. About 13 minutes on 2 cores.
 
     .venv/bin/python scripts/perf_report.py                 # measure, then write docs/PERFORMANCE.md
     .venv/bin/python scripts/perf_report.py --from-json docs/serving/serving_compare.json   # re-render only

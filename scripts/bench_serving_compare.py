@@ -169,6 +169,7 @@ def run_comparison(args: argparse.Namespace) -> dict:
         "benchmark": "serving_compare",
         "machine": machine_facts(),
         "seconds": round(time.perf_counter() - started, 1),
+        "model": str(args.model) if args.model else None,  # None: the benchmark Llama written for this run
         "model_parameters": parameters,
         "max_num_seqs": args.max_num_seqs,
         "seed": args.seed,

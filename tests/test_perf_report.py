@@ -40,6 +40,7 @@ def test_one_command_measures_every_mode_and_writes_the_report(tmp_path):
     assert f"{result['saturation_output_tokens_per_s']['continuous']:,.0f}" in text
     assert f"**{result['continuous_vs_static']:.2f}x**" in text
     assert result["workload"]["saturation"]["sha256"] in text
+    assert f"serving the checkpoint `{ensure_default_model()}`" in text
     plot = out_dir / result["figures"][0]
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert f"](serving/{result['figures'][0]})" in text  # the image link resolves from the report's folder

@@ -82,8 +82,7 @@ def static_rows_per_output_token(requests: list[BenchRequest], batch_size: int) 
     return rows / sum(r.output_len for r in requests)
 
 
-def run_mode(name: str, flags: list[str], model_dir: Path, args) -> dict:
-    saturation_load, sweep_load = saturation_workload(args), sweep_workload(args)
+def run_mode(name: str, flags: list[str], model_dir: Path, saturation_load, sweep_load, args) -> dict:
     common = ["--model", str(model_dir), "--kv-cache-bytes", str(256 << 20), *NO_SHEDDING]
     with LocalDaemon(*common, *flags, env={"TOKEND_DEBUG": "0"}) as daemon:
         asyncio.run(measure(daemon.http_url, saturation_load[:2], math.inf, args.seed))  # warm-up
@@ -155,13 +154,17 @@ def run_comparison(args: argparse.Namespace) -> dict:
     """Runs every mode on the same workload; writes the JSON and the plots to `args.out_dir`; returns the JSON."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    saturation_load, sweep_load = saturation_workload(args), sweep_workload(args)
     with tempfile.TemporaryDirectory(prefix="tokend-bench-") as scratch:
         model_dir = args.model
         if model_dir is None:
             model_dir = Path(scratch) / "model"
             write_bench_model(model_dir, vocab_size=BYTE_VOCAB)
         parameters = parameter_count(model_dir)
-        results = {name: run_mode(name, flags, model_dir, args) for name, flags in modes(args.max_num_seqs).items()}
+        results = {
+            name: run_mode(name, flags, model_dir, saturation_load, sweep_load, args)
+            for name, flags in modes(args.max_num_seqs).items()
+        }
         step_ms = decode_step_ms_by_batch(model_dir, (1, args.max_num_seqs))
     figures = plot(results, args.rates, args.out_dir)
     saturation = {name: r["saturation"]["output_throughput"] for name, r in results.items()}
@@ -176,8 +179,8 @@ def run_comparison(args: argparse.Namespace) -> dict:
         "num_prompts": args.num_prompts,
         "sweep_prompts": args.sweep_prompts,
         "workload": {
-            "saturation": describe(saturation_workload(args)),
-            "sweep": describe(sweep_workload(args)),
+            "saturation": describe(saturation_load),
+            "sweep": describe(sweep_load),
         },
         "slos_ms": SLOS_MS,
         "saturation_output_tokens_per_s": saturation,
@@ -190,7 +193,7 @@ def run_comparison(args: argparse.Namespace) -> dict:
             for name, r in results.items()
         },
         "decode_step_ms_by_batch": step_ms,
-        "static_rows_per_output_token": static_rows_per_output_token(saturation_workload(args), args.max_num_seqs),
+        "static_rows_per_output_token": static_rows_per_output_token(saturation_load, args.max_num_seqs),
         "rates": args.rates,
         "results": results,
         "figures": [str(Path(f).relative_to(args.out_dir)) for f in figures],

@@ -49,16 +49,16 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parents[1],
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    commit = done.stdout.strip()
+    """The short commit, with "-dirty" when tracked files differ from it; None outside a git checkout."""
+    commit = _git("rev-parse", "--short", "HEAD")
     if not commit:
         return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           timeout=5, cwd=Path(__file__).resolve().parents[1]).stdout.strip()  # fmt: skip
-    return f"{commit}-dirty" if dirty else commit
+    return f"{commit}-dirty" if _git("status", "--porcelain", "--untracked-files=no") else commit
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parents[1])
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip()

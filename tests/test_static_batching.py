@@ -45,7 +45,7 @@ def test_a_static_batch_keeps_its_shape_until_its_longest_sequence_finishes(llam
     # and nothing new is admitted.
     first_batch_tail = steps[finished_at["short"] : finished_at["long"]]
     assert [step.num_seqs for step in first_batch_tail] == [3] * len(first_batch_tail)
-    assert [len(step.padding) for step in first_batch_tail][-1] == 2
+    assert len(first_batch_tail[-1].padding) == 2  # short and middle, while long finishes
     assert finished_at["next"] > finished_at["long"]
     assert engine.kv.num_free_pages == engine.kv.num_pages  # the held pages came back with the batch
 

@@ -184,7 +184,12 @@ def test_a_batch_request_that_waits_too_long_is_shed(limited):
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory):
     config = tmp_path_factory.mktemp("fair") / "tokend.toml"
-    config.write_text("max_num_seqs = 2\n" + _tenant("a", priority="batch") + _tenant("b", priority="batch"))
+    config.write_text(
+        "max_num_seqs = 2\nbatch_ttft_target = 1000\nbatch_max_queue_wait = 1000\n"  # order, not shedding
+        + _tenant("a", priority="batch")
+        + _tenant("b", priority="batch")
+        + _tenant("c", priority="batch")
+    )
     with Daemon("--config", str(config)) as running:
         yield running
 
@@ -193,20 +198,27 @@ def test_two_backlogged_batch_tenants_share_tokens_fairly_whatever_their_request
     async def scenario():
         async with grpc.aio.insecure_channel(fair.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
+            # A third tenant holds both slots until both backlogs are queued, so that neither tenant's head
+            # start (the order their requests reach the server) can count as unfairness.
+            hogs = [asyncio.create_task(_stream(stub, _request(490 + i, 1500), "c")) for i in range(2)]
+            await asyncio.to_thread(fair.wait_for, lambda: fair.metric("tokend:num_requests_running") == 2, 30)
             heavy = [asyncio.create_task(_stream(stub, _request(500 + i, 32), "a")) for i in range(80)]
             light = [asyncio.create_task(_stream(stub, _request(600 + i, 32), "b")) for i in range(8)]
+            await asyncio.to_thread(fair.wait_for, lambda: _queued(fair, "batch") == 88, 60)
+            for hog in hogs:
+                hog.cancel()
             light_results = await asyncio.gather(*light)
             done_heavy = [task.result() for task in heavy if task.done()]
             for task in heavy:  # the rest of the heavy tenant's backlog does not matter any more
                 task.cancel()
-            await asyncio.gather(*heavy, return_exceptions=True)
+            await asyncio.gather(*hogs, *heavy, return_exceptions=True)
             return done_heavy, light_results
 
     heavy, light = asyncio.run(scenario())
     assert all(s["code"] is None for s in heavy + light)
-    # Both tenants are backlogged from the light one's first start to its last finish: measure shares there.
-    window_start, window_end = min(s["first_at"] for s in light), max(s["done_at"] for s in light)
-    served_heavy = sum(s["tokens"] for s in heavy if s["first_at"] >= window_start and s["done_at"] <= window_end)
+    # Both tenants are backlogged until the light one's last request starts: shares are measured up to there.
+    last_light_start = max(s["first_at"] for s in light)
+    served_heavy = sum(s["tokens"] for s in heavy if s["first_at"] < last_light_start)
     served_light = sum(s["tokens"] for s in light)
     share = served_light / (served_light + served_heavy)
     assert 0.4 <= share <= 0.6, (served_light, served_heavy)

@@ -99,6 +99,47 @@ def test_filters_never_pick_a_filtered_token():
     assert set(torch.nonzero(freqs).flatten().tolist()) == {29, 30, 31}
 
 
+def _reference_support(logits_row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p keep, by the textbook method: a full sort in float64."""
+    ordered, order = logits_row.double().sort(descending=True)
+    if top_k:
+        ordered, order = ordered[:top_k], order[:top_k]
+    probs = ordered.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    return set(order[mass_before < top_p].tolist())
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"),
+    [(0, 0.3), (0, 0.9), (100, 0.5), (120, 1.0), (5, 0.9)],
+    ids=[
+        "nucleus-inside-the-first-64",
+        "nucleus-past-the-first-64",
+        "top-k-normalises-the-nucleus",
+        "top-k-only",
+        "small-top-k",
+    ],
+)
+def test_filters_keep_exactly_the_textbook_support(top_k, top_p):
+    """On a near-flat distribution over 300 tokens (nuclei of 34 and 194 tokens; the sampler looks at the best 64
+    first), every kept token is drawn and no other."""
+    shuffled = torch.randperm(300, generator=torch.Generator().manual_seed(0))
+    logits = -0.01 * shuffled.float()  # all different, none far from the others
+    expected = _reference_support(logits, top_k, top_p)
+    freqs = draw_many(logits, SamplingParams(top_k=top_k, top_p=top_p), n=60_000)
+    assert set(torch.nonzero(freqs).flatten().tolist()) == expected
+
+
+def test_a_row_without_filters_keeps_every_token_beside_filtered_rows():
+    seqs = [seq(SamplingParams(top_k=2)), seq(SamplingParams(top_p=0.1)), seq(SamplingParams())] * 1000
+    logits = torch.linspace(0, 1, VOCAB).expand(len(seqs), -1).contiguous()  # token 31 most likely, then 30
+    torch.manual_seed(0)
+    tokens, _ = sample(logits, seqs)
+    assert set(tokens[0::3]) == {30, 31}
+    assert set(tokens[1::3]) == {29, 30, 31}  # 0.1 of the mass needs three tokens here
+    assert len(set(tokens[2::3])) == VOCAB
+
+
 # -- frequencies ----------------------------------------------------------------------------------
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=torch.float64)

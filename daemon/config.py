@@ -50,6 +50,9 @@ class ServeConfig:
     kv_cache_bytes: int | None = None  # None: 512 MiB on CPU, 90% of free memory on a GPU
     max_model_len: int | None = None
     scheduling: str = "continuous"
+    # torch threads per scheduler process; 0: the cores left after one for the frontend and gateway, shared
+    # among the schedulers (threads that outnumber free cores wait on each other at every parallel op)
+    cpu_threads: int = 0
     drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
     stall_timeout: float = 120.0  # a scheduler loop stuck this long is killed and restarted
     log_level: str = "info"
@@ -81,6 +84,8 @@ class ServeConfig:
             "auto|float32|bfloat16|float16",
             self.dtype,
         )
+        _check("cpu_threads", _is_int(self.cpu_threads) and self.cpu_threads >= 0, "an integer >= 0 (0 = auto)",
+               self.cpu_threads)  # fmt: skip
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             _check(key, _is_int(getattr(self, key)) and getattr(self, key) >= 1, "an integer >= 1", getattr(self, key))
         _check(
@@ -128,6 +133,14 @@ class ServeConfig:
     def devices(self) -> list[str]:
         return [d.strip() for d in self.device.split(",")] if isinstance(self.device, str) else []
 
+    def scheduler_threads(self, num_schedulers: int) -> int:
+        """torch threads for each scheduler process: `cpu_threads`, or else the cores this process may run on,
+        less one for the frontend and the gateway, shared among the schedulers (at least one each)."""
+        if self.cpu_threads:
+            return self.cpu_threads
+        cores = len(os.sched_getaffinity(0))
+        return max(1, (cores - 1) // max(1, num_schedulers))
+
     def engine_options(self) -> dict[str, object]:
         """The EngineConfig fields this config sets."""
         options: dict[str, object] = {
@@ -159,6 +172,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--scheduling", choices=["continuous", "static"])
+    parser.add_argument("--cpu-threads", type=int, help="torch threads per scheduler; 0: the cores left, shared")
     parser.add_argument("--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM")
     parser.add_argument("--stall-timeout", type=float, help="seconds before a stuck scheduler is restarted")
     parser.add_argument("--log-level")

@@ -161,7 +161,9 @@ class Supervisor:
 
     def _scheduler_children(self) -> list[Child]:
         children = []
-        for model_index, model in enumerate(self.config.served_models()):
+        served = self.config.served_models()
+        threads = self.config.scheduler_threads(sum(len(m.groups or self.config.devices) for m in served))
+        for model_index, model in enumerate(served):
             name, path = model.name, model.path
             for group, device in enumerate(model.groups or self.config.devices):
                 slot = f"{model_index}-{group}"
@@ -176,6 +178,7 @@ class Supervisor:
                     heartbeat_path=str(self.runtime_dir / f"scheduler-{slot}.alive"),
                     engine_options=self.config.engine_options(),
                     log_level=self.config.log_level,
+                    cpu_threads=threads,
                 )
                 children.append(
                     Child(

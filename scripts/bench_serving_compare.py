@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine import decode_step_ms_by_batch, write_bench_model  # noqa: E402
@@ -84,7 +86,10 @@ def static_rows_per_output_token(requests: list[BenchRequest], batch_size: int) 
 
 def run_mode(name: str, flags: list[str], model_dir: Path, saturation_load, sweep_load, args) -> dict:
     common = ["--model", str(model_dir), "--kv-cache-bytes", str(256 << 20), *NO_SHEDDING]
+    if args.cpu_threads:
+        common += ["--cpu-threads", str(args.cpu_threads)]
     with LocalDaemon(*common, *flags, env={"TOKEND_DEBUG": "0"}) as daemon:
+        threads = scheduler_threads(daemon)
         asyncio.run(measure(daemon.http_url, saturation_load[:2], math.inf, args.seed))  # warm-up
         saturation = asyncio.run(measure(daemon.http_url, saturation_load, math.inf, args.seed))
         log(f"{name}: saturation {saturation['output_throughput']:.0f} output tokens/s")
@@ -94,7 +99,15 @@ def run_mode(name: str, flags: list[str], model_dir: Path, saturation_load, swee
             throughput, p99_ttft = point["output_throughput"], point["p99_ttft_ms"]
             log(f"{name}: {rate} req/s -> {throughput:.0f} tok/s, p99 TTFT {p99_ttft:.0f} ms")
             sweep.append(point)
-    return {"saturation": saturation, "sweep": sweep}
+    return {"saturation": saturation, "sweep": sweep, "scheduler_torch_threads": threads}
+
+
+def scheduler_threads(daemon: LocalDaemon) -> int:
+    """The torch threads the daemon's scheduler runs with, as its engine_ready log line says."""
+    for line in daemon.log_path.read_text().splitlines():
+        if '"event": "engine_ready"' in line:
+            return json.loads(line)["torch_threads"]
+    raise RuntimeError(f"the scheduler never said it was ready:\n{daemon.log()}")
 
 
 def plot(results: dict, rates: list[float], out_dir: Path) -> list[str]:
@@ -140,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size of continuous and static")
     parser.add_argument("--max-output-len", type=int, default=1024, help="cap on the long-tail output lengths")
     parser.add_argument("--model", type=Path, help="checkpoint to serve (default: the 17.8 M benchmark Llama)")
+    parser.add_argument("--cpu-threads", type=int, help="torch threads of each daemon's scheduler (default: its own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path("docs/serving"))
     return parser.parse_args(argv)
@@ -165,7 +179,12 @@ def run_comparison(args: argparse.Namespace) -> dict:
             name: run_mode(name, flags, model_dir, saturation_load, sweep_load, args)
             for name, flags in modes(args.max_num_seqs).items()
         }
+        # In process, with the schedulers' thread count, so that the step times explain the served figures.
+        threads = results["continuous"]["scheduler_torch_threads"]
+        default_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
         step_ms = decode_step_ms_by_batch(model_dir, (1, args.max_num_seqs))
+        torch.set_num_threads(default_threads)
     figures = plot(results, args.rates, args.out_dir)
     saturation = {name: r["saturation"]["output_throughput"] for name, r in results.items()}
     report = {
@@ -175,6 +194,8 @@ def run_comparison(args: argparse.Namespace) -> dict:
         "model": str(args.model) if args.model else None,  # None: the benchmark Llama written for this run
         "model_parameters": parameters,
         "max_num_seqs": args.max_num_seqs,
+        "scheduler_torch_threads": threads,
+        "cpu_threads": args.cpu_threads,  # None: each daemon chose its own
         "seed": args.seed,
         "num_prompts": args.num_prompts,
         "sweep_prompts": args.sweep_prompts,

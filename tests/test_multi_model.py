@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -82,6 +83,19 @@ def test_a_pool_of_two_groups_shares_the_work(daemon):
         ("llama-small", "1"),
         ("tiny", "0"),
     ]
+
+
+def test_the_schedulers_share_the_cores_left_after_the_frontend(daemon):
+    """Three schedulers on this machine: together they start no more torch threads than there are cores
+    beside the frontend's (threads beyond the cores make every parallel op wait), and each gets one at least."""
+    threads = [
+        json.loads(line)["torch_threads"]
+        for line in daemon.log_path.read_text().splitlines()
+        if '"event": "engine_ready"' in line
+    ]
+    cores = len(os.sched_getaffinity(0))
+    assert len(threads) == 3 and min(threads) >= 1
+    assert sum(threads) <= max(3, cores - 1)
 
 
 def test_models_are_listed_and_an_unknown_one_is_not_found(daemon):

@@ -51,6 +51,7 @@ def test_model_may_be_one_path_or_a_list_in_the_file(tmp_path, llama_dir):
         ("drain_timeout = -5", "drain_timeout"),
         ('log_level = "loud"', "log_level"),
         ("kv_cache_bytes = 0", "kv_cache_bytes"),
+        ("cpu_threads = -1", "cpu_threads"),
         ("grpc_port = true", "grpc_port"),
         ("no_such_option = 1", "no_such_option"),
         ("max_num_seqs = ", "config"),

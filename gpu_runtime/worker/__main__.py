@@ -20,12 +20,16 @@ def main(argv: list[str]) -> int:
     become_child(f"tokend: scheduler {spec.model_name} {spec.group}")
     log = configure_logging("scheduler", spec.log_level).bind(worker=spec.worker_id)
 
-    from gpu_runtime.engine import LLMEngine  # torch loads here, after the title is set
+    import torch  # loads here, after the title is set
+
+    from gpu_runtime.engine import LLMEngine
     from gpu_runtime.engine_config import EngineConfig
     from gpu_runtime.worker.io_threads import InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
     from gpu_runtime.worker.warm_up import warm_up
 
+    if spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
     try:
         config = EngineConfig(
             model=spec.model_path, served_model_name=spec.model_name, device=spec.device, **spec.engine_options
@@ -35,7 +39,8 @@ def main(argv: list[str]) -> int:
         log.error("engine_failed_to_start", error=str(error))
         return EXIT_CONFIG_ERROR
     warm_up(engine)
-    log.info("engine_ready", model=engine.model_name, device=str(engine.device), kv_pages=engine.kv.num_pages)
+    log.info("engine_ready", model=engine.model_name, device=str(engine.device), kv_pages=engine.kv.num_pages,
+             torch_threads=torch.get_num_threads())  # fmt: skip
 
     context = zmq.Context()
     inbox: queue.Queue = queue.Queue()

@@ -16,6 +16,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_path: str  # touched by the loop while it makes progress; the daemon's watchdog reads it
     engine_options: dict[str, object] = {}  # EngineConfig fields
     log_level: str = "info"
+    cpu_threads: int = 0  # torch threads (torch.set_num_threads); 0 leaves torch's default
     load_report_interval_s: float = 0.2
 
     def to_json(self) -> str:

@@ -166,6 +166,7 @@ def modes(max_num_seqs: int) -> dict[str, list[str]]:
 
 def run_comparison(args: argparse.Namespace) -> dict:
     """Runs every mode on the same workload; writes the JSON and the plots to `args.out_dir`; returns the JSON."""
+    machine = machine_facts()  # before this run writes its figures, which may be tracked files
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     saturation_load, sweep_load = saturation_workload(args), sweep_workload(args)
@@ -189,7 +190,7 @@ def run_comparison(args: argparse.Namespace) -> dict:
     saturation = {name: r["saturation"]["output_throughput"] for name, r in results.items()}
     report = {
         "benchmark": "serving_compare",
-        "machine": machine_facts(),
+        "machine": machine,
         "seconds": round(time.perf_counter() - started, 1),
         "model": str(args.model) if args.model else None,  # None: the benchmark Llama written for this run
         "model_parameters": parameters,

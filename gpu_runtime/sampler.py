@@ -74,9 +74,9 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params) -> torch.Tensor:
     # Rows without a nucleus get an unreachable threshold: float rounding can bring the cumulative sum to
     # 1.0 before the last token, and a row that asked for nothing must lose nothing.
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
-    # The log of each row's total mass once top-k has cut it: over the top k alone where k is set, else all.
-    log_total_all = scaled.logsumexp(dim=-1, keepdim=True)
     wants_nucleus = any(p.top_p < 1.0 for p in params)
+    # The log of each row's total mass once top-k has cut it: over the top k alone where k is set, else all.
+    log_total_all = scaled.logsumexp(dim=-1, keepdim=True) if wants_nucleus else None
     filtered = torch.tensor([p.top_k > 0 or p.top_p < 1.0 for p in params], device=device)
     looked_at = min(vocab, max(_tokens_to_look_at(p) for p in params))
     while True:

@@ -26,7 +26,10 @@ def configure_logging(process: str, level: str = "info") -> structlog.stdlib.Bou
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per record, newline included: every tokend process shares the daemon's stderr (a file or
+        # journald's stream), and print() writes the text and its newline separately, so two processes logging
+        # at once could splice their lines together.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(process=process)

@@ -145,6 +145,21 @@ class LocalDaemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    def log_entries(self, event: str | None = None, **fields) -> list[dict]:
+        """The daemon's structured log records so far (with this event and these field values, if given).
+
+        Only whole lines are read: a record still being written is left for the next call. Text that is not a
+        record (an interpreter's traceback) is skipped; a record that does not parse fails loudly."""
+        text = self.log_path.read_text(errors="replace")
+        entries = []
+        for line in text[: text.rfind("\n") + 1].splitlines():
+            if not line.startswith("{"):
+                continue
+            entry = json.loads(line)
+            if (event is None or entry.get("event") == event) and all(entry.get(k) == v for k, v in fields.items()):
+                entries.append(entry)
+        return entries
+
     # -- the process tree -----------------------------------------------------------------------------------
 
     def child_pids(self, title: str) -> list[int]:
@@ -168,9 +183,8 @@ class LocalDaemon:
 
     def runtime_dir(self) -> Path:
         """The private directory of the daemon's ipc sockets (from its `starting` log line)."""
-        for line in self.log_path.read_text().splitlines():
-            if '"event": "starting"' in line:
-                return Path(json.loads(line)["runtime_dir"])
+        for entry in self.log_entries("starting"):
+            return Path(entry["runtime_dir"])
         raise AssertionError(f"no starting line in the log:\n{self.log()}")
 
     def wait_for(self, predicate, timeout: float, interval: float = 0.05):

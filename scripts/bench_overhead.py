@@ -168,10 +168,8 @@ async def abort_latency(daemon: LocalDaemon, prompt: list[int], samples: int) ->
 def _logged_time(daemon: LocalDaemon, event: str, request_id: str, timeout: float = 10.0) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in daemon.log_path.read_text().splitlines():
-            if f'"event": "{event}"' in line and f'"request_id": "{request_id}"' in line:
-                stamp = json.loads(line)["timestamp"]
-                return datetime.fromisoformat(stamp).timestamp()
+        for entry in daemon.log_entries(event, request_id=request_id):
+            return datetime.fromisoformat(entry["timestamp"]).timestamp()
         time.sleep(0.01)
     raise TimeoutError(f"no {event} logged for {request_id}")
 

@@ -104,9 +104,8 @@ def run_mode(name: str, flags: list[str], model_dir: Path, saturation_load, swee
 
 def scheduler_threads(daemon: LocalDaemon) -> int:
     """The torch threads the daemon's scheduler runs with, as its engine_ready log line says."""
-    for line in daemon.log_path.read_text().splitlines():
-        if '"event": "engine_ready"' in line:
-            return json.loads(line)["torch_threads"]
+    for entry in daemon.log_entries("engine_ready"):
+        return entry["torch_threads"]
     raise RuntimeError(f"the scheduler never said it was ready:\n{daemon.log()}")
 
 

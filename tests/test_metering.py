@@ -158,12 +158,10 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
 
 def _aborted_at(daemon: Daemon) -> dict[str, float]:
     """When each request's scheduler dropped it, from its `request_aborted` log line."""
-    times = {}
-    for line in daemon.log_path.read_text().splitlines():
-        if '"event": "request_aborted"' in line:
-            entry = json.loads(line)
-            times[entry["request_id"]] = datetime.fromisoformat(entry["timestamp"]).timestamp()
-    return times
+    return {
+        entry["request_id"]: datetime.fromisoformat(entry["timestamp"]).timestamp()
+        for entry in daemon.log_entries("request_aborted")
+    }
 
 
 def _usage_cli(state_dir: str, *flags: str) -> str:

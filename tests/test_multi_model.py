@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,11 +70,7 @@ def test_each_model_answers_as_it_does_in_process(daemon, llama_dir):
 
 def test_a_pool_of_two_groups_shares_the_work(daemon):
     _greedy(daemon, "llama-small", random_prompts(8, 4, 40, seed=12))
-    workers = [
-        json.loads(line)["worker"]
-        for line in daemon.log_path.read_text().splitlines()
-        if '"event": "request_admitted"' in line and '"model": "llama-small"' in line
-    ]
+    workers = [entry["worker"] for entry in daemon.log_entries("request_admitted", model="llama-small")]
     assert {"llama-small/0", "llama-small/1"} <= set(workers)
     load = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10)
     assert sorted((s.model, s.group) for s in load.schedulers) == [
@@ -88,11 +83,7 @@ def test_a_pool_of_two_groups_shares_the_work(daemon):
 def test_the_schedulers_share_the_cores_left_after_the_frontend(daemon):
     """Three schedulers on this machine: together they start no more torch threads than there are cores
     beside the frontend's (threads beyond the cores make every parallel op wait), and each gets one at least."""
-    threads = [
-        json.loads(line)["torch_threads"]
-        for line in daemon.log_path.read_text().splitlines()
-        if '"event": "engine_ready"' in line
-    ]
+    threads = [entry["torch_threads"] for entry in daemon.log_entries("engine_ready")]
     cores = len(os.sched_getaffinity(0))
     assert len(threads) == 3 and min(threads) >= 1
     assert sum(threads) <= max(3, cores - 1)

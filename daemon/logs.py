@@ -1,6 +1,8 @@
 """structlog setup shared by every tokend process: one JSON object per line on stderr.
 
-Never log an API key or prompt text at info level; request ids are what ties a request's lines together.
+Libraries that log through the standard library (uvicorn, grpc) get the same JSON lines, so an operator's
+log pipeline parses every line the daemon writes. Never log an API key or prompt text at info level; request
+ids are what ties a request's lines together.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ def configure_logging(process: str, level: str = "info") -> structlog.stdlib.Bou
     numeric_level = logging.getLevelNamesMapping().get(level.upper())
     if numeric_level is None:
         raise ValueError(f"log_level: must be one of debug, info, warning, error, got {level!r}")
-    logging.basicConfig(stream=sys.stderr, level=numeric_level, format="%(message)s")
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    _route_library_logs(process, numeric_level, timestamper)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
@@ -33,3 +36,29 @@ def configure_logging(process: str, level: str = "info") -> structlog.stdlib.Bou
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(process=process)
+
+
+def _route_library_logs(process: str, level: int, timestamper) -> None:
+    """Renders standard-library records (uvicorn's, grpc's) as the same JSON lines, tagged with their logger."""
+
+    def tag_process(_logger, _method, event_dict: dict) -> dict:
+        return {"process": process, **event_dict}
+
+    handler = logging.StreamHandler(sys.stderr)  # a StreamHandler writes a record and its newline at once
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                tag_process,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                timestamper,
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    logging.basicConfig(handlers=[handler], level=level, force=True)
+    logging.captureWarnings(True)  # a library's warnings too, not bare text between the records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -83,6 +84,11 @@ def test_sigterm_under_load_finishes_in_flight_streams_refuses_new_ones_and_exit
         assert all(chunks[-1].usage.completion_tokens == 300 for chunks in results)
         assert daemon.process.wait(timeout=180) == 0
         assert not [pid for pid in session if _alive(pid)], "every child is reaped"
+        # A whole life of the daemon, start to drained exit, left only JSON records (uvicorn's own included).
+        log_lines = daemon.log_path.read_text().splitlines()
+        records = [json.loads(line) for line in log_lines]
+        assert {"daemon", "frontend", "scheduler", "gateway"} <= {record["process"] for record in records}
+        assert any(record.get("logger", "").startswith("uvicorn") for record in records)
 
 
 def test_a_drain_timeout_aborts_what_is_left_and_still_exits_zero():

@@ -142,6 +142,12 @@ class LocalDaemon:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
 
+    def usage_report(self, *flags: str) -> dict[str, dict[str, int]]:
+        """Totals per tenant as `tokend usage --json` prints them from this daemon's ledger (flags: --since)."""
+        command = [sys.executable, "-m", "daemon.cli", "usage", "--state-dir", self.state_dir, "--json", *flags]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+        return json.loads(result.stdout)["tenants"]
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 

@@ -167,11 +167,18 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _settle(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
         counts = builder.counts()
-        while not stream.finished and not stream.lost and (remaining := deadline - time.monotonic()) > 0:
-            try:
-                item = await asyncio.wait_for(stream.queue.get(), remaining)
-            except TimeoutError:
+        while True:
+            # Deltas already queued first: `finished` says the final one was sent, not that anyone read it, and
+            # the client may have gone while deltas (with their newer counts) were still waiting in the queue.
+            if not stream.queue.empty():
+                item = stream.queue.get_nowait()
+            elif stream.finished or stream.lost or (remaining := deadline - time.monotonic()) <= 0:
                 break
+            else:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), remaining)
+                except TimeoutError:
+                    break
             if isinstance(item, SchedulerLost):
                 break
             counts = FinalCounts.of(item, "abort")

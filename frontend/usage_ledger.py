@@ -122,10 +122,11 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
 
 
 def summarize(connection: sqlite3.Connection, since: float = 0.0) -> dict[str, dict[str, int]]:
-    """Totals per tenant for requests started at or after `since` (unix seconds)."""
+    """Totals per tenant for requests started at or after `since` (unix seconds). A shed request is in the
+    ledger (status shed, nothing computed) but is not one of the tenant's requests: it was never admitted."""
     rows = connection.execute(
         """
-        SELECT tenant, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cached_tokens),
+        SELECT tenant, SUM(status != 'shed'), SUM(prompt_tokens), SUM(completion_tokens), SUM(cached_tokens),
                SUM(status = 'cancelled')
         FROM usage WHERE started_at >= ? GROUP BY tenant ORDER BY tenant
         """,

@@ -68,6 +68,16 @@ def _queued(daemon: Daemon, priority: str) -> float:
     return daemon.metric("tokend:admission_queue_depth", priority=priority)
 
 
+def _admission_counts(daemon: Daemon) -> dict[str, float]:
+    return {
+        "shed batch queue_full": daemon.metric("tokend:admission_shed_total", priority="batch", reason="queue_full"),
+        "shed interactive": daemon.metric("tokend:admission_shed_total", priority="interactive"),
+        "admitted interactive": daemon.metric("tokend:admission_admitted_total", priority="interactive"),
+        "queued interactive": daemon.metric("tokend:admission_queued_total", priority="interactive"),
+        "admitted batch": daemon.metric("tokend:admission_admitted_total", priority="batch"),
+    }
+
+
 def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
     async def scenario():
         async with grpc.aio.insecure_channel(daemon.address) as channel:
@@ -88,7 +98,7 @@ def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
 
 
 def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
-    shed_before = daemon.metric("tokend:admission_shed_total", priority="batch")
+    before = _admission_counts(daemon)
 
     async def scenario():
         async with grpc.aio.insecure_channel(daemon.address) as channel:
@@ -108,12 +118,22 @@ def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
     assert [chat["code"] for chat in chats] == [None] * 3 and chats[-1]["tokens"] == 10
     shed = [s for s in batch if s["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(shed) == 1 and shed[0]["tokens"] == 0  # one batch request still queued (the newest) gave way
-    assert daemon.metric("tokend:admission_shed_total", priority="batch") == shed_before + 2
-    assert daemon.metric("tokend:admission_shed_total", priority="interactive") == 0
+    # The metrics say what happened, by class and reason: two batch requests shed for a full queue, the nine
+    # others admitted; all three chats admitted, the third after a wait; no interactive request shed.
+    counted = {key: value - before[key] for key, value in _admission_counts(daemon).items()}
+    assert counted == {
+        "shed batch queue_full": 2,
+        "shed interactive": 0,
+        "admitted batch": 9,
+        "admitted interactive": 3,
+        "queued interactive": 1,
+    }
     with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
         statuses = dict(db.execute("SELECT request_id, status FROM usage WHERE request_id IN (?, ?)",
                                    (extra_batch["request_id"], shed[0]["request_id"])).fetchall())  # fmt: skip
+        admitted_jobs = db.execute("SELECT COUNT(*) FROM usage WHERE tenant = 'jobs' AND status != 'shed'").fetchone()
     assert set(statuses.values()) == {"shed"}
+    assert daemon.usage_report()["jobs"]["requests"] == admitted_jobs[0]  # shed requests are not usage
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +143,7 @@ def limited(tmp_path_factory):
         "max_num_seqs = 2\nbatch_max_queue_wait = 0.5\n"
         + _tenant("few", max_concurrent=2)
         + _tenant("thrifty", tokens_per_minute=60)
+        + _tenant("by_use", tokens_per_minute=600)
         + _tenant("a", priority="batch")
         + _tenant("b", priority="batch")
     )
@@ -146,6 +167,24 @@ def test_tenant_limits_refuse_with_a_retry_hint(limited):
     assert spent["code"] is None
     assert broke["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in broke["details"]
     assert all(s["code"] is None for s in running)
+
+
+def test_tokens_per_minute_charges_the_tokens_a_request_really_used_not_what_it_asked_for(limited):
+    async def scenario():
+        async with grpc.aio.insecure_channel(limited.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            # Asks for far more than the budget, but its client cancels after a few tokens: a few are charged.
+            call = stub.Generate(_request(310, 2000), metadata=_as("by_use"), timeout=60)
+            async for _ in call:
+                break
+            call.cancel()
+            right_after = await _stream(stub, _request(311, 700), "by_use")  # in budget, and uses more than it
+            broke = await _stream(stub, _request(312, 5), "by_use")
+            return right_after, broke
+
+    right_after, broke = asyncio.run(scenario())
+    assert right_after["code"] is None and right_after["tokens"] == 700
+    assert broke["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in broke["details"]
 
 
 def test_batch_work_gets_only_the_slots_interactive_work_left_spare_lately(limited):

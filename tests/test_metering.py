@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import signal
 import sqlite3
@@ -15,7 +14,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 TENANTS = ("acme", "globex", "initech")
-MAX_ABORT_TOKENS = 10  # tokens a cancelled stream may be billed beyond what its client received
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cancelled")
 
 
 def _config(path: Path) -> Path:
@@ -87,7 +86,7 @@ def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(d
     assert sum(seen["cancelled"] for seen in results) >= 10
     daemon.wait_for(lambda: all(row["status"] != "running" for row in _rows(daemon).values()), timeout=10)
     rows = _rows(daemon)
-    aborted_at = _aborted_at(daemon)
+    aborted = _aborted(daemon)
     for seen in results:
         row = rows[seen["request_id"]]
         assert row["tenant"] == seen["tenant"]
@@ -95,13 +94,15 @@ def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(d
             assert row["status"] == "finished" and row["completion_tokens"] == seen["received"]
             continue
         assert row["status"] == "cancelled"
-        # Billed beyond what the client read: only what its stream generated from the client's last read until
-        # the scheduler dropped it (tokens in flight, then the abort latency), at the rate the stream ran.
+        # Billed exactly what the scheduler generated before it dropped the request, which is more than the
+        # client read only by the tokens in flight and those of the abort latency, at the rate the stream ran.
+        dropped_at, generated = aborted[seen["request_id"]]
+        assert row["completion_tokens"] == generated
         rate = seen["received"] / max(1e-3, seen["cancelled_at"] - seen["first_at"])
-        window = aborted_at[seen["request_id"]] - seen["cancelled_at"]
+        window = dropped_at - seen["cancelled_at"]
         assert seen["received"] <= row["completion_tokens"] <= seen["received"] + rate * window + 3
 
-    usage = json.loads(_usage_cli(daemon.state_dir, "--json"))["tenants"]
+    usage = daemon.usage_report()
     for tenant in TENANTS:
         mine = [rows[seen["request_id"]] for seen in results if seen["tenant"] == tenant]
         assert usage[tenant]["requests"] == len(mine)
@@ -112,11 +113,64 @@ def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(d
             daemon.metric("tokend:tenant_completion_tokens_total", tenant=tenant) == usage[tenant]["completion_tokens"]
         )
         assert daemon.metric("tokend:tenant_prompt_tokens_total", tenant=tenant) == usage[tenant]["prompt_tokens"]
+        assert daemon.metric("tokend:tenant_cached_tokens_total", tenant=tenant) == usage[tenant]["cached_tokens"]
         assert daemon.metric("tokend:tenant_requests_total", tenant=tenant) == usage[tenant]["requests"]
-    reply = daemon.admin.GetUsage(pb.GetUsageRequest(), metadata=_as("acme"), timeout=10)
-    assert {name: dict(completion_tokens=u.completion_tokens) for name, u in reply.tenants.items()} == {
-        name: dict(completion_tokens=u["completion_tokens"]) for name, u in usage.items()
+    assert _get_usage(daemon) == usage  # the Admin RPC reports the very same totals as the CLI
+
+
+def test_usage_since_a_time_counts_only_the_requests_started_from_then(daemon):
+    list(daemon.generation.Generate(_short("before"), metadata=_as("initech"), timeout=30))
+    since = time.time()
+    for name in ("after-1", "after-2"):
+        list(daemon.generation.Generate(_short(name), metadata=_as("initech"), timeout=30))
+    rows = [row for row in _rows(daemon).values() if row["started_at"] >= since]
+    assert sorted(row["request_id"] for row in rows) == ["after-1", "after-2"]
+    expected = {
+        "initech": {
+            "requests": 2,
+            "prompt_tokens": sum(row["prompt_tokens"] for row in rows),
+            "completion_tokens": 10,
+            "cached_tokens": sum(row["cached_tokens"] for row in rows),
+            "cancelled": 0,
+        }
     }
+    iso = datetime.fromtimestamp(since, tz=UTC).isoformat()
+    assert daemon.usage_report("--since", str(since)) == expected
+    assert daemon.usage_report("--since", iso) == expected
+    assert _get_usage(daemon, since) == expected
+    bad = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "usage", "--state-dir", daemon.state_dir, "--since", "yesterday"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "since" in bad.stderr and "'yesterday'" in bad.stderr
+
+
+def test_a_running_request_is_checkpointed_every_second(daemon):
+    """While a long request runs, its counts so far reach the ledger about every second (what a crashed
+    frontend leaves behind)."""
+    requests = [
+        pb.GenerateRequest(
+            prompt=f"long {index}",
+            request_id=f"c-{index}",
+            sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0),
+        )
+        for index in range(6)  # six at once, so that each runs for several seconds
+    ]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(lambda r: list(daemon.generation.Generate(r, metadata=_as("acme"), timeout=120)), r)
+                   for r in requests]  # fmt: skip
+        seen: list[tuple[float, int]] = []  # (when the watched row's count changed, the count)
+        while not futures[0].done():
+            row = _rows(daemon).get("c-0")
+            if row is not None and row["status"] == "running" and (not seen or row["completion_tokens"] != seen[-1][1]):
+                seen.append((time.monotonic(), row["completion_tokens"]))
+            time.sleep(0.02)
+        results = [future.result() for future in futures]
+    assert results[0][-1].usage.completion_tokens == 1900
+    counts = [count for _, count in seen]
+    assert len(counts) >= 3 and counts == sorted(counts) and counts[-1] > counts[0], seen
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(seen[1:], seen[2:], strict=False)]
+    assert max(gaps) < 1.75, gaps  # a checkpoint each second, give or take the event loop's lag
 
 
 def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupted(daemon):
@@ -156,15 +210,23 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
     assert any(row["completion_tokens"] > 0 for row in unfinished), "checkpoints kept their counts so far"
 
 
-def _aborted_at(daemon: Daemon) -> dict[str, float]:
-    """When each request's scheduler dropped it, from its `request_aborted` log line."""
+def _aborted(daemon: Daemon) -> dict[str, tuple[float, int]]:
+    """When each aborted request's scheduler dropped it, and the tokens it had generated by then (its
+    `request_aborted` log line)."""
     return {
-        entry["request_id"]: datetime.fromisoformat(entry["timestamp"]).timestamp()
+        entry["request_id"]: (datetime.fromisoformat(entry["timestamp"]).timestamp(), entry["completion_tokens"])
         for entry in daemon.log_entries("request_aborted")
     }
 
 
-def _usage_cli(state_dir: str, *flags: str) -> str:
-    command = [sys.executable, "-m", "daemon.cli", "usage", "--state-dir", state_dir, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
-    return result.stdout
+def _short(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=f"short {request_id}",
+        request_id=request_id,
+        sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True, temperature=0),
+    )
+
+
+def _get_usage(daemon: Daemon, since: float = 0.0) -> dict[str, dict[str, int]]:
+    reply = daemon.admin.GetUsage(pb.GetUsageRequest(since_unix=since), metadata=_as("acme"), timeout=10)
+    return {name: {field: getattr(usage, field) for field in USAGE_FIELDS} for name, usage in reply.tenants.items()}

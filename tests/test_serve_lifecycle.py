@@ -89,6 +89,8 @@ def test_sigterm_under_load_finishes_in_flight_streams_refuses_new_ones_and_exit
         records = [json.loads(line) for line in log_lines]
         assert {"daemon", "frontend", "scheduler", "gateway"} <= {record["process"] for record in records}
         assert any(record.get("logger", "").startswith("uvicorn") for record in records)
+        # No [[tenants]]: the daemon says loudly that anyone may use it.
+        assert [r["level"] for r in records if r["event"] == "AUTHENTICATION_IS_OFF"] == ["warning"]
 
 
 def test_a_drain_timeout_aborts_what_is_left_and_still_exits_zero():

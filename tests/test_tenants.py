@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 
+WRONG_KEY = "sk-refused-5551234567"  # no tenant's: refused, and never logged either
 KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789", "gamma": "sk-gamma-0123456789"}
 
 
@@ -60,7 +61,9 @@ def _code(call) -> grpc.StatusCode:
 HELLO = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
 
 
-@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer sk-wrong"),), (("authorization", "sk-alpha"),)])
+@pytest.mark.parametrize(
+    "metadata", [(), (("authorization", f"Bearer {WRONG_KEY}"),), (("authorization", "sk-alpha"),)]
+)
 def test_every_rpc_but_health_needs_a_valid_key(daemon, metadata):
     rpcs = [
         lambda: list(daemon.generation.Generate(HELLO, metadata=metadata, timeout=10)),
@@ -68,6 +71,7 @@ def test_every_rpc_but_health_needs_a_valid_key(daemon, metadata):
         lambda: daemon.generation.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=10),
         lambda: daemon.admin.GetLoad(pb.GetLoadRequest(), metadata=metadata, timeout=10),
         lambda: daemon.admin.Drain(pb.DrainRequest(), metadata=metadata, timeout=10),
+        lambda: daemon.admin.GetUsage(pb.GetUsageRequest(), metadata=metadata, timeout=10),
     ]
     assert [_code(rpc) for rpc in rpcs] == [grpc.StatusCode.UNAUTHENTICATED] * len(rpcs)
     assert daemon.health_status() == health_pb2.HealthCheckResponse.SERVING
@@ -105,7 +109,7 @@ def test_the_gateway_passes_the_key_and_maps_refusals(daemon):
     with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEYS["alpha"], max_retries=0) as client:
         reply = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
         assert reply.usage.completion_tokens >= 1
-    refusals = [("sk-wrong", openai.AuthenticationError), (KEYS["gamma"], openai.PermissionDeniedError)]
+    refusals = [(WRONG_KEY, openai.AuthenticationError), (KEYS["gamma"], openai.PermissionDeniedError)]
     for key, refusal in refusals:
         client = openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=key, max_retries=0)
         with client, pytest.raises(refusal):
@@ -117,6 +121,6 @@ def test_the_gateway_passes_the_key_and_maps_refusals(daemon):
 def test_no_key_appears_in_any_log_line(daemon):
     log = daemon.log_path.read_text()
     assert '"tenants": ["alpha", "beta", "gamma"]' in log
-    for key in KEYS.values():
+    for key in [*KEYS.values(), WRONG_KEY]:  # neither a tenant's key nor a refused one
         assert key not in log and key[3:] not in log
     assert "AUTHENTICATION_IS_OFF" not in log

@@ -39,7 +39,12 @@ class Shed(RequestError):
     """RESOURCE_EXHAUSTED: refused or dropped under pressure; `retry_after_s` says when to try again."""
 
     def __init__(self, message: str, reason: str, retry_after_s: float):
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in {math.ceil(retry_after_s)} s")
+        # Said twice: in words, and as gRPC's own server pushback, which clients with a retry policy obey (and
+        # the gateway turns into Retry-After).
+        pushback = (("grpc-retry-pushback-ms", str(math.ceil(retry_after_s * 1000))),)
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry in {math.ceil(retry_after_s)} s", pushback
+        )
         self.reason = reason
         self.retry_after_s = retry_after_s
 

@@ -57,7 +57,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             self._lifecycle.enter()
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            await context.abort(error.code, error.message, error.trailing_metadata)
         self._metrics.requests_in_flight.inc()
         stream = None
         outcome = "cancelled"  # unless it finishes or fails: the client went away, or its deadline passed
@@ -70,7 +70,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield chunk
         except RequestError as error:
             outcome = "error"
-            await context.abort(error.code, error.message)
+            await context.abort(error.code, error.message, error.trailing_metadata)
         finally:
             self._metrics.requests_in_flight.dec()
             self._lifecycle.leave()

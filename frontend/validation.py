@@ -27,10 +27,11 @@ _PRIORITIES = {
 class RequestError(Exception):
     """A request the server refuses: a gRPC status code and a message that names the field."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 def invalid(message: str) -> RequestError:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import re
 import sqlite3
 import time
 
 import grpc
+import httpx
 import pytest
 from daemon_harness import Daemon
 
 from frontend.admission import SPARE_WINDOW_S
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -47,6 +50,7 @@ async def _stream(stub, request: pb.GenerateRequest, tenant: str) -> dict:
         seen["done_at"] = time.monotonic()
     except grpc.aio.AioRpcError as error:
         seen["code"], seen["details"] = error.code(), error.details()
+        seen["pushback_ms"] = dict(error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
     return seen
 
 
@@ -167,6 +171,13 @@ def test_tenant_limits_refuse_with_a_retry_hint(limited):
     assert spent["code"] is None
     assert broke["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in broke["details"]
     assert all(s["code"] is None for s in running)
+    # The hint, in words and as gRPC's server pushback; through the gateway, a 429 whose Retry-After says it.
+    retry_in_s = int(re.search(r"retry in (\d+) s", broke["details"]).group(1))
+    assert retry_in_s > 1 and abs(int(broke["pushback_ms"]) / 1000 - retry_in_s) <= 1
+    reply = httpx.post(f"{limited.http_url}/v1/completions", headers={"Authorization": "Bearer thrifty"},
+                       json={"model": DEFAULT_MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=30)  # fmt: skip
+    assert reply.status_code == 429 and "tokens_per_minute" in reply.json()["error"]["message"]
+    assert abs(int(reply.headers["Retry-After"]) - retry_in_s) <= 1
 
 
 def test_tokens_per_minute_charges_the_tokens_a_request_really_used_not_what_it_asked_for(limited):
@@ -218,6 +229,64 @@ def test_a_batch_request_that_waits_too_long_is_shed(limited):
 
     late = asyncio.run(scenario())
     assert late["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_wait" in late["details"]
+
+
+@pytest.fixture(scope="module")
+def pressured(tmp_path_factory):
+    config = tmp_path_factory.mktemp("pressure") / "tokend.toml"
+    config.write_text(
+        # An interactive target that any wait breaks, so that a queued interactive request is pressure; batch
+        # targets no projection can miss, so that only interactive pressure sheds here.
+        "max_num_seqs = 2\ninteractive_ttft_target = 0.05\nbatch_ttft_target = 1000\nbatch_max_queue_wait = 1000\n"
+        + _tenant("chat", priority="interactive")
+        + _tenant("jobs", priority="batch")
+    )
+    with Daemon("--config", str(config)) as running:
+        yield running
+
+
+def test_interactive_pressure_sheds_queued_batch_work_and_interactive_only_when_no_batch_can_make_room(pressured):
+    daemon = pressured
+
+    def shed(priority: str, reason: str) -> float:
+        return daemon.metric("tokend:admission_shed_total", priority=priority, reason=reason)
+
+    async def with_batch_running(stub):
+        hogs = [asyncio.create_task(_stream(stub, _request(700 + i, 1500), "jobs")) for i in range(2)]
+        await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 2, 30)
+        queued = [asyncio.create_task(_stream(stub, _request(702 + i, 5), "jobs")) for i in range(2)]
+        await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 2, 30)
+        # The first chat takes a running batch request's slot; the second must wait, which breaks its target:
+        # the queued batch work gives way, and the chat waits, since running batch work will make room.
+        chats = [asyncio.create_task(_stream(stub, _request(704, 1000), "chat"))]  # still running at the next
+        await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_preemptions_total") >= 1, 30)
+        chats.append(asyncio.create_task(_stream(stub, _request(705, 10), "chat")))
+        queued, chats = await asyncio.gather(*queued), await asyncio.gather(*chats)
+        for hog in hogs:
+            hog.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+        return queued, chats
+
+    async def with_no_batch_work(stub):
+        # Interactive alone is beyond capacity: the two that cannot start are refused, not left to miss it.
+        await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 0, 30)
+        return await asyncio.gather(*(_stream(stub, _request(710 + i, 200), "chat") for i in range(4)))
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            return await with_batch_running(stub), await with_no_batch_work(stub)
+
+    (queued_batch, chats), alone = asyncio.run(scenario())
+    assert [s["code"] for s in queued_batch] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert all("interactive_pressure" in s["details"] for s in queued_batch)
+    assert [(s["code"], s["tokens"]) for s in chats] == [(None, 1000), (None, 10)]
+    assert shed("batch", "interactive_pressure") == 2
+    refused = [s for s in alone if s["code"] is not None]
+    assert [s["code"] for s in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert all("projected_ttft" in s["details"] and "retry in" in s["details"] for s in refused)
+    assert sorted(s["tokens"] for s in alone) == [0, 0, 200, 200]
+    assert shed("interactive", "projected_ttft") == 2
 
 
 @pytest.fixture(scope="module")

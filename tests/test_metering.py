@@ -208,6 +208,8 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
     unfinished = [rows[f"k-{i}"] for i in range(12) if f"k-{i}" not in finished]
     assert all(row["status"] == "interrupted" for row in unfinished)
     assert any(row["completion_tokens"] > 0 for row in unfinished), "checkpoints kept their counts so far"
+    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # readers never block the frontend
 
 
 def _aborted(daemon: Daemon) -> dict[str, tuple[float, int]]:

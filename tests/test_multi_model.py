@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -95,3 +97,26 @@ def test_models_are_listed_and_an_unknown_one_is_not_found(daemon):
     with pytest.raises(grpc.RpcError) as caught:
         list(daemon.generation.Generate(pb.GenerateRequest(model="huge", prompt="x"), timeout=10))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_ledger_and_prometheus_agree_per_model(daemon):
+    """Both models served the same prompts more than once above (so prefixes were cached): per model, the
+    usage ledger and the per-tenant counters (tenant "" with authentication off) hold the same numbers."""
+    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+        ledger = {
+            model: (requests, prompt, completion, cached)
+            for model, requests, prompt, completion, cached in db.execute(
+                "SELECT model, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cached_tokens)"
+                " FROM usage WHERE status = 'finished' GROUP BY model"
+            )
+        }
+    assert set(ledger) == {"tiny", "llama-small"}
+    for model, counts in ledger.items():
+        labels = {"tenant": "", "model_name": model}
+        assert counts == (
+            daemon.metric("tokend:tenant_requests_total", status="finished", **labels),
+            daemon.metric("tokend:tenant_prompt_tokens_total", **labels),
+            daemon.metric("tokend:tenant_completion_tokens_total", **labels),
+            daemon.metric("tokend:tenant_cached_tokens_total", **labels),
+        )
+        assert counts[3] > 0, f"{model}: repeated prompts were served from the prefix cache"

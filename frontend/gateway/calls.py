@@ -29,7 +29,7 @@ class GenerateCalls:
             for call in self.calls:
                 metadata = dict(await call.initial_metadata() or ())
                 if call.done() and await call.code() != grpc.StatusCode.OK:
-                    raise from_grpc(await call.code(), await call.details(), self.chat)
+                    raise from_grpc(await call.code(), await call.details(), self.chat, await call.trailing_metadata())
                 self.model = metadata.get("x-model", self.model)
         except BaseException:
             self.cancel()
@@ -46,7 +46,7 @@ class GenerateCalls:
                 async for response in call:
                     shape.chunk(index, response)
         except grpc.aio.AioRpcError as error:
-            raise from_grpc(error.code(), error.details(), self.chat) from None
+            raise from_grpc(error.code(), error.details(), self.chat, error.trailing_metadata()) from None
         finally:
             self.cancel()
         return shape.body()

@@ -1,0 +1,84 @@
+"""Within a model's pool, a request goes to the group whose latest load report projects the soonest first
+token (the frontend's admission with real scheduler states, fed load reports as the schedulers send them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend.admission import AdmissionController
+from frontend.metrics import FrontendMetrics
+from frontend.scheduler_link import SchedulerLink
+from frontend.spec import AdmissionSpec, FrontendSpec, SchedulerAddress
+from gpu_runtime.ipc.messages import LoadReport, SchedulerReady
+from gpu_runtime.sequence import Priority
+
+MODEL = "llama"
+
+
+@pytest.fixture
+def make_link():
+    links = []
+
+    def make(groups: int) -> SchedulerLink:
+        links.append(_link(groups))
+        return links[-1]
+
+    yield make
+    for link in links:
+        link.close()  # its zmq context, which would otherwise block the interpreter's exit
+
+
+def _link(groups: int) -> SchedulerLink:
+    addresses = [SchedulerAddress(f"{MODEL}/{g}", MODEL, str(g), f"ipc:///nonexistent/{g}") for g in range(groups)]
+    spec = FrontendSpec(grpc_port=0, metrics_port=None, output_address="ipc:///nonexistent/out",
+                        schedulers=addresses, default_model=MODEL)  # fmt: skip
+    link = SchedulerLink(spec, log=None, on_change=lambda: None)
+    for state in link.schedulers:
+        state.ready = SchedulerReady(state.address.worker_id, "1", 1, MODEL, "/m", state.address.group,
+                                     2048, 256, 1000, 16, max_num_seqs=8)  # fmt: skip
+        _report(state, running=0, projected_ttft=0.0)
+    return link
+
+
+def _report(state, running: int, projected_ttft: float) -> None:
+    state.load = LoadReport(state.address.worker_id, "1", running, 0, 0, 0.1, 1000, 100, 0, 0, 0,
+                            projected_ttft_seconds=projected_ttft, mean_step_ms=10.0, sent_at=0.0)  # fmt: skip
+
+
+def _admitted_group(link: SchedulerLink) -> str:
+    async def admit() -> str:
+        controller = AdmissionController(link, AdmissionSpec(), FrontendMetrics(), tenants=[])
+        try:
+            scheduler = await asyncio.wait_for(controller.admit(MODEL, None, Priority.INTERACTIVE, cost=10), 5)
+            return scheduler.address.group
+        finally:
+            controller.close()
+
+    return asyncio.run(admit())
+
+
+def test_a_request_goes_to_the_group_projecting_the_soonest_first_token_even_if_it_is_busier(make_link):
+    link = make_link(3)
+    slow, fast, idle_but_slower = link.schedulers
+    _report(slow, running=1, projected_ttft=2.5)
+    _report(fast, running=6, projected_ttft=0.2)  # more requests, but its queue moves faster
+    _report(idle_but_slower, running=0, projected_ttft=0.4)
+    fast.requests.update(f"r{i}" for i in range(6))
+    assert _admitted_group(link) == "1"
+
+
+def test_between_equal_projections_the_group_with_fewer_requests_in_flight_wins(make_link):
+    link = make_link(2)
+    link.schedulers[0].requests.update({"a", "b"})
+    link.schedulers[1].requests.add("c")
+    assert _admitted_group(link) == "1"
+
+
+def test_a_full_group_is_passed_over_whatever_it_projects(make_link):
+    link = make_link(2)
+    full, other = link.schedulers
+    full.requests.update(f"r{i}" for i in range(8))  # max_num_seqs requests in flight: no slot here
+    _report(other, running=3, projected_ttft=1.5)
+    assert _admitted_group(link) == "1"

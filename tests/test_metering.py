@@ -176,6 +176,13 @@ def test_a_running_request_is_checkpointed_every_second(daemon):
 def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupted(daemon):
     finished: dict[str, int] = {}
     lock = threading.Lock()
+    killed = threading.Event()
+    started = time.monotonic()
+
+    def kill_the_frontend_now() -> None:
+        (frontend,) = daemon.child_pids("tokend: frontend")
+        os.kill(frontend, signal.SIGKILL)
+        killed.set()
 
     def run(index: int) -> None:
         request = pb.GenerateRequest(
@@ -190,14 +197,14 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
                 if chunk.finish_reason:
                     with lock:
                         finished[request.request_id] = received
+                        # Killed the instant a client sees its request end, once some have finished and the
+                        # rest have been checkpointed at least once: that request's record must be there.
+                        if not killed.is_set() and len(finished) >= 3 and time.monotonic() - started > 2.5:
+                            kill_the_frontend_now()
 
     with ThreadPoolExecutor(12) as pool:
-        started = time.monotonic()
         futures = [pool.submit(run, index) for index in range(12)]
-        # Killed once some have finished and the rest have been checkpointed at least once.
-        daemon.wait_for(lambda: len(finished) >= 3 and time.monotonic() - started > 2.5, timeout=60)
-        (frontend,) = daemon.child_pids("tokend: frontend")
-        os.kill(frontend, signal.SIGKILL)
+        assert killed.wait(timeout=60), "no request finished after the first checkpoints"
         for future in futures:
             future.result(timeout=120)
     assert 3 <= len(finished) < 12

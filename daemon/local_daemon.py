@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from frontend.usage_ledger import LEDGER_FILE, connect
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -141,6 +143,13 @@ class LocalDaemon:
             for sample in family.samples
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
+
+    @contextlib.contextmanager
+    def ledger(self):
+        """A read-only connection to this daemon's usage ledger (rows as sqlite3.Row), closed on exit."""
+        with contextlib.closing(connect(Path(self.state_dir) / LEDGER_FILE, read_only=True)) as connection:
+            connection.row_factory = sqlite3.Row
+            yield connection
 
     def usage_report(self, *flags: str) -> dict[str, dict[str, int]]:
         """Totals per tenant as `tokend usage --json` prints them from this daemon's ledger (flags: --since)."""

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import re
-import sqlite3
 import time
 
 import grpc
@@ -132,7 +130,7 @@ def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
         "admitted interactive": 3,
         "queued interactive": 1,
     }
-    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+    with daemon.ledger() as db:
         statuses = dict(db.execute("SELECT request_id, status FROM usage WHERE request_id IN (?, ?)",
                                    (extra_batch["request_id"], shed[0]["request_id"])).fetchall())  # fmt: skip
         admitted_jobs = db.execute("SELECT COUNT(*) FROM usage WHERE tenant = 'jobs' AND status != 'shed'").fetchone()

@@ -44,8 +44,7 @@ def _as(tenant: str) -> tuple[tuple[str, str], ...]:
 
 
 def _rows(daemon: Daemon) -> dict[str, sqlite3.Row]:
-    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
-        db.row_factory = sqlite3.Row
+    with daemon.ledger() as db:
         return {row["request_id"]: row for row in db.execute("SELECT * FROM usage")}
 
 
@@ -215,7 +214,7 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
     unfinished = [rows[f"k-{i}"] for i in range(12) if f"k-{i}" not in finished]
     assert all(row["status"] == "interrupted" for row in unfinished)
     assert any(row["completion_tokens"] > 0 for row in unfinished), "checkpoints kept their counts so far"
-    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+    with daemon.ledger() as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # readers never block the frontend
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -102,7 +100,7 @@ def test_models_are_listed_and_an_unknown_one_is_not_found(daemon):
 def test_the_ledger_and_prometheus_agree_per_model(daemon):
     """Both models served the same prompts more than once above (so prefixes were cached): per model, the
     usage ledger and the per-tenant counters (tenant "" with authentication off) hold the same numbers."""
-    with contextlib.closing(sqlite3.connect(f"file:{daemon.state_dir}/usage.sqlite3?mode=ro", uri=True)) as db:
+    with daemon.ledger() as db:
         ledger = {
             model: (requests, prompt, completion, cached)
             for model, requests, prompt, completion, cached in db.execute(

@@ -14,6 +14,7 @@ RUN python scripts/gen_protos.py
 COPY gpu_runtime ./gpu_runtime
 COPY daemon ./daemon
 COPY frontend ./frontend
+COPY common ./common
 RUN pip install --no-cache-dir .
 
 RUN useradd --system --create-home tokend

@@ -12,7 +12,13 @@ from daemon.config import add_serve_flags
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokend", description="tokend: an LLM serving daemon")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the daemon: gRPC frontend plus one scheduler per GPU group")
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon: gRPC frontend plus one scheduler per GPU group",
+        description="Run the daemon. Every option is a flag, a top-level key of the --config TOML file (its name in "
+        "snake_case) and an environment variable TOKEND_<KEY> (TOKEND_MAX_NUM_SEQS=8); flags win over the "
+        "environment, which wins over the file, which wins over the defaults.",
+    )
     add_serve_flags(serve)
     gateway = commands.add_parser("gateway", help="run the HTTP/SSE gateway alone, in front of a running daemon")
     gateway.add_argument("--grpc", default="127.0.0.1:50051", help="the daemon's gRPC address")

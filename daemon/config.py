@@ -1,20 +1,25 @@
-"""ServeConfig: every option of `tokend serve`, from flags over a TOML file over defaults, validated.
+"""ServeConfig: every option of `tokend serve`, from flags over TOKEND_<KEY> variables over a TOML file over defaults.
 
-Each option is a flag (`--max-num-seqs`) and the same key in the TOML file (`max_num_seqs`); an error names it.
+Each option is declared once, as a field of ServeConfig (the daemon's own), EngineConfig (each scheduler's engine)
+or AdmissionSpec (the frontend's admission); config_flags turns every field into a flag (`--max-num-seqs`), a TOML
+key (`max_num_seqs`) and an environment variable (`TOKEND_MAX_NUM_SEQS`). All of it is validated, cross-field
+rules included, before any process starts; an error names the key.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 
-from frontend.spec import TenantSpec
+from daemon import config_flags
+from frontend.spec import AdmissionSpec, TenantSpec
+from gpu_runtime.engine_config import EngineConfig
 
 DEFAULT_MODEL_NAME = "tokend-tiny-random"  # gpu_runtime.default_model's; repeated to keep torch out of here
 
@@ -26,6 +31,10 @@ def _default_state_dir() -> str:
     return str(Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "tokend")
 
 
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
 class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One served model: a `[[models]]` table of the TOML file."""
 
@@ -35,33 +44,37 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     groups: list[str] = []  # devices, one scheduler each; empty: those of `device`
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    model: tuple[str, ...] = ()  # Hugging Face directories; empty serves the embedded default model
-    served_model_name: str | None = None  # the name clients use (one model only); default: the directory's name
-    grpc_port: int = 50051  # the frontend listens on 127.0.0.1 only
-    metrics_port: int = 9401  # Prometheus text on http://127.0.0.1:<port>/metrics; 0 turns it off
-    http_port: int = 8000  # the OpenAI-compatible HTTP/SSE gateway on 127.0.0.1; 0 turns it off
-    state_dir: str = field(default_factory=_default_state_dir)
-    device: str = "auto"  # one scheduler per entry of a comma-separated list, e.g. "cuda:0,cuda:1"
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    kv_cache_bytes: int | None = None  # None: 512 MiB on CPU, 90% of free memory on a GPU
-    max_model_len: int | None = None
-    scheduling: str = "continuous"
-    # torch threads per scheduler process; 0: the cores left after one for the frontend and gateway, shared
-    # among the schedulers (threads that outnumber free cores wait on each other at every parallel op)
-    cpu_threads: int = 0
-    drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
-    stall_timeout: float = 120.0  # a scheduler loop stuck this long is killed and restarted
-    log_level: str = "info"
-    interactive_ttft_target: float = 2.0  # seconds; beyond it, queued batch work is shed to make way
-    batch_ttft_target: float = 30.0  # seconds; beyond it, batch work waits (up to batch_max_queue_wait) or is shed
-    batch_max_queue_wait: float = 60.0  # a batch request waiting this long for a slot is shed
-    max_queued_requests: int = 256  # waiting for a slot, both classes; when full, the newest batch request is shed
-    models: tuple[ModelSpec, ...] = ()  # [[models]] tables: several models, each with its name, aliases, groups
-    tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables in the TOML file; none: authentication is off
+class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The daemon's own options, and the engine's and admission's, each declared once in its own struct."""
+
+    model: Annotated[
+        tuple[str, ...],
+        _doc("a Hugging Face model directory; repeat it (a TOML list) to serve several; unset: the embedded model"),
+    ] = ()
+    served_model_name: Annotated[str | None, _doc("the name clients use (one model); unset: the directory's")] = None
+    grpc_port: Annotated[int, _doc("the frontend's gRPC port, on 127.0.0.1")] = 50051
+    metrics_port: Annotated[int, _doc("Prometheus text on http://127.0.0.1:<port>/metrics; 0 turns it off")] = 9401
+    http_port: Annotated[int, _doc("the OpenAI-compatible HTTP/SSE gateway on 127.0.0.1; 0 turns it off")] = 8000
+    state_dir: Annotated[
+        str, _doc("persistent state (the usage ledger); $STATE_DIRECTORY under systemd, else $XDG_STATE_HOME/tokend")
+    ] = msgspec.field(default_factory=_default_state_dir)
+    device: Annotated[
+        str,
+        _doc("auto (cuda when present, else cpu), cpu, cuda, cuda:N; a list (cuda:0,cuda:1) runs one scheduler each"),
+    ] = "auto"
+    # Threads that outnumber free cores wait on each other at every parallel op, hence the sharing.
+    cpu_threads: Annotated[
+        int, _doc("torch threads per scheduler; 0: the cores left after one for the frontend and gateway, shared")
+    ] = 0
+    drain_timeout: Annotated[float, _doc("seconds in-flight streams get to finish on SIGTERM")] = 30.0
+    stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 120.0
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error"], _doc("JSON log lines on stderr at this level and above")
+    ] = "info"
+    models: tuple[ModelSpec, ...] = ()  # [[models]] tables (TOML only): several models, with names, aliases, groups
+    tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables (TOML only); none: authentication is off
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # model, served_model_name, device: unset
+    admission: AdmissionSpec = msgspec.field(default_factory=AdmissionSpec)
 
     def __post_init__(self) -> None:
         for key in ("grpc_port", "metrics_port", "http_port"):
@@ -77,41 +90,14 @@ class ServeConfig:
             "a non-empty name, given for a single model",
             self.served_model_name,
         )
+        _check("state_dir", isinstance(self.state_dir, str) and bool(self.state_dir), "a directory", self.state_dir)
         _check("device", all(self.devices), "a comma-separated list of devices (auto, cpu, cuda, cuda:N)", self.device)
-        _check(
-            "dtype",
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "auto|float32|bfloat16|float16",
-            self.dtype,
-        )
         _check("cpu_threads", _is_int(self.cpu_threads) and self.cpu_threads >= 0, "an integer >= 0 (0 = auto)",
                self.cpu_threads)  # fmt: skip
-        for key in ("max_num_seqs", "max_num_batched_tokens"):
-            _check(key, _is_int(getattr(self, key)) and getattr(self, key) >= 1, "an integer >= 1", getattr(self, key))
-        _check(
-            "kv_cache_bytes",
-            self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0),
-            "a positive integer",
-            self.kv_cache_bytes,
-        )
-        _check(
-            "max_model_len",
-            self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
-            "an integer >= 2",
-            self.max_model_len,
-        )
-        _check("scheduling", self.scheduling in ("continuous", "static"), "continuous|static", self.scheduling)
-        _check("max_queued_requests", _is_int(self.max_queued_requests) and self.max_queued_requests >= 1,
-               "an integer >= 1", self.max_queued_requests)  # fmt: skip
-        for key in ("drain_timeout", "stall_timeout", "interactive_ttft_target", "batch_ttft_target",
-                    "batch_max_queue_wait"):  # fmt: skip
+        for key in ("drain_timeout", "stall_timeout"):
             value = getattr(self, key)
-            _check(
-                key,
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-                "seconds >= 0",
-                value,
-            )
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            _check(key, ok, "seconds >= 0", value)
         _check_tenants(self.tenants)
         _check_models(self.models, bool(self.model))
         _check(
@@ -141,66 +127,49 @@ class ServeConfig:
         cores = len(os.sched_getaffinity(0))
         return max(1, (cores - 1) // max(1, num_schedulers))
 
-    def engine_options(self) -> dict[str, object]:
-        """The EngineConfig fields this config sets."""
-        options: dict[str, object] = {
-            "dtype": self.dtype,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "scheduling": self.scheduling,
-        }
-        if self.kv_cache_bytes is not None:
-            options["kv_cache_bytes"] = self.kv_cache_bytes
-        if self.max_model_len is not None:
-            options["max_model_len"] = self.max_model_len
-        return options
+
+# Each scheduler's identity (which model, which device) comes from the daemon's own model/device options, and
+# debug_checks from TOKEND_DEBUG: none of them is an engine flag.
+_ENGINE_IDENTITY = frozenset({"model", "served_model_name", "device", "debug_checks"})
+DAEMON_OPTIONS = config_flags.options_of(ServeConfig, skip=frozenset({"models", "tenants", "engine", "admission"}))
+ENGINE_OPTIONS = config_flags.options_of(EngineConfig, skip=_ENGINE_IDENTITY)
+ADMISSION_OPTIONS = config_flags.options_of(AdmissionSpec)
+ALL_OPTIONS = [*DAEMON_OPTIONS, *ENGINE_OPTIONS, *ADMISSION_OPTIONS]
+TOML_KEYS = frozenset({o.key for o in ALL_OPTIONS} | {"models", "tenants"})
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeConfig field; unset flags stay None so that the TOML file and defaults show through."""
-    parser.add_argument("--config", type=Path, help="a TOML file with the same keys as the flags")
-    parser.add_argument("--model", action="append", help="Hugging Face model directory (default: embedded model)")
-    parser.add_argument("--served-model-name")
-    parser.add_argument("--grpc-port", type=int)
-    parser.add_argument("--metrics-port", type=int, help="0 turns /metrics off")
-    parser.add_argument("--http-port", type=int, help="the HTTP/SSE gateway's port; 0 turns the gateway off")
-    parser.add_argument("--state-dir")
-    parser.add_argument("--device", help="auto, cpu, cuda, cuda:N; a comma-separated list runs one scheduler each")
-    parser.add_argument("--dtype")
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--kv-cache-bytes", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--scheduling", choices=["continuous", "static"])
-    parser.add_argument("--cpu-threads", type=int, help="torch threads per scheduler; 0: the cores left, shared")
-    parser.add_argument("--drain-timeout", type=float, help="seconds in-flight streams get on SIGTERM")
-    parser.add_argument("--stall-timeout", type=float, help="seconds before a stuck scheduler is restarted")
-    parser.add_argument("--log-level")
-    parser.add_argument("--interactive-ttft-target", type=float, help="seconds; interactive's first-token target")
-    parser.add_argument("--batch-ttft-target", type=float, help="seconds; batch's first-token target")
-    parser.add_argument("--batch-max-queue-wait", type=float, help="seconds a batch request may wait for a slot")
-    parser.add_argument("--max-queued-requests", type=int, help="requests that may wait for a slot")
+    """`tokend serve`'s flags: --config, then one per option, grouped by the process they configure."""
+    parser.add_argument("--config", type=Path, help="a TOML file whose top-level keys are the flags' names in "
+                        "snake_case, plus [[models]] and [[tenants]] tables (default: none)")  # fmt: skip
+    config_flags.add_flags(parser.add_argument_group("daemon"), DAEMON_OPTIONS)
+    config_flags.add_flags(parser.add_argument_group("engine (each scheduler process)"), ENGINE_OPTIONS)
+    config_flags.add_flags(parser.add_argument_group("admission (the frontend)"), ADMISSION_OPTIONS)
 
 
-def load_serve_config(args: argparse.Namespace) -> ServeConfig:
-    """Defaults, then the TOML file, then the flags; raises ValueError naming the bad key."""
+def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeConfig:
+    """Defaults, then the TOML file, then TOKEND_<KEY> variables, then the flags; every check, cross-field ones
+    included, runs here. Raises ValueError naming the bad key."""
     values: dict[str, object] = {}
-    if args.config is not None:
+    if getattr(args, "config", None) is not None:
         values.update(_read_toml(args.config))
-    for f in dataclasses.fields(ServeConfig):
-        flag_value = getattr(args, f.name, None)
-        if flag_value is not None:
-            values[f.name] = flag_value
+    values.update(config_flags.from_env(ALL_OPTIONS, environ))
+    values.update(config_flags.from_flags(ALL_OPTIONS, args))
     if isinstance(values.get("model"), str):
         values["model"] = [values["model"]]
-    if "tenants" in values:
-        values["tenants"] = _tables(values["tenants"], TenantSpec, "tenants")
-    if "models" in values:
-        values["models"] = _tables(values["models"], ModelSpec, "models")
     if "model" in values:
         _check("model", isinstance(values["model"], list), "a path or a list of paths", values["model"])
         values["model"] = tuple(values["model"])
-    return ServeConfig(**values)
+    for key, spec_type in (("tenants", TenantSpec), ("models", ModelSpec)):
+        if key in values:
+            values[key] = _tables(values[key], spec_type, key)
+    engine = EngineConfig(**_take(values, ENGINE_OPTIONS))
+    admission = AdmissionSpec(**_take(values, ADMISSION_OPTIONS))
+    return ServeConfig(**values, engine=engine, admission=admission)
+
+
+def _take(values: dict[str, object], options: list[config_flags.Option]) -> dict[str, object]:
+    return {o.key: values.pop(o.key) for o in options if o.key in values}
 
 
 def _read_toml(path: Path) -> dict[str, object]:
@@ -211,10 +180,9 @@ def _read_toml(path: Path) -> dict[str, object]:
         raise ValueError(f"config: cannot read {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config: {path} is not valid TOML: {error}") from None
-    known = {f.name for f in dataclasses.fields(ServeConfig)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - TOML_KEYS)
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown key in {path}; known keys: {sorted(known)}")
+        raise ValueError(f"{unknown[0]}: unknown key in {path}; known keys: {sorted(TOML_KEYS)}")
     return data
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.exit_codes import EXIT_CONFIG_ERROR
+from common.logs import configure_logging
 from daemon.config import load_serve_config
-from daemon.exit_codes import EXIT_CONFIG_ERROR
-from daemon.logs import configure_logging
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -13,12 +13,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
+
+from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.children import Child
 from daemon.config import ServeConfig
-from daemon.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
 from daemon.systemd_notify import SystemdNotifier
 from frontend.gateway.spec import GatewaySpec
-from frontend.spec import AdmissionSpec, FrontendSpec, SchedulerAddress
+from frontend.spec import FrontendSpec, SchedulerAddress
 from gpu_runtime.worker.spec import WorkerSpec
 
 _TICK_S = 0.1
@@ -160,60 +162,19 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------------------------
 
     def _scheduler_children(self) -> list[Child]:
-        children = []
-        served = self.config.served_models()
-        threads = self.config.scheduler_threads(sum(len(m.groups or self.config.devices) for m in served))
-        for model_index, model in enumerate(served):
-            name, path = model.name, model.path
-            for group, device in enumerate(model.groups or self.config.devices):
-                slot = f"{model_index}-{group}"
-                spec = WorkerSpec(
-                    worker_id=f"{name}/{group}",
-                    model_name=name,
-                    model_path=path,
-                    group=str(group),
-                    device=device,
-                    input_address=f"ipc://{self.runtime_dir}/scheduler-{slot}.ipc",
-                    output_address=f"ipc://{self.runtime_dir}/frontend.ipc",
-                    heartbeat_path=str(self.runtime_dir / f"scheduler-{slot}.alive"),
-                    engine_options=self.config.engine_options(),
-                    log_level=self.config.log_level,
-                    cpu_threads=threads,
-                )
-                children.append(
-                    Child(
-                        f"scheduler {spec.worker_id}",
-                        "gpu_runtime.worker",
-                        spec.to_json(),
-                        heartbeat_path=Path(spec.heartbeat_path),
-                    )
-                )
-        return children
+        return [
+            Child(
+                f"scheduler {spec.worker_id}",
+                "gpu_runtime.worker",
+                spec.to_json(),
+                heartbeat_path=Path(spec.heartbeat_path),
+            )
+            for spec in scheduler_specs(self.config, self.runtime_dir)
+        ]
 
     def _frontend_child(self) -> Child:
-        addresses = []
-        for child in self.schedulers:
-            worker = WorkerSpec.from_json(child.spec_json)
-            addresses.append(SchedulerAddress(worker.worker_id, worker.model_name, worker.group, worker.input_address))
-        spec = FrontendSpec(
-            grpc_port=self.config.grpc_port,
-            metrics_port=self.config.metrics_port or None,
-            output_address=f"ipc://{self.runtime_dir}/frontend.ipc",
-            schedulers=addresses,
-            default_model=self.config.served_models()[0].name,
-            aliases={alias: m.name for m in self.config.served_models() for alias in m.aliases},
-            drain_timeout_s=self.config.drain_timeout,
-            log_level=self.config.log_level,
-            tenants=list(self.config.tenants),
-            state_dir=self.config.state_dir,
-            admission=AdmissionSpec(
-                interactive_ttft_target_s=self.config.interactive_ttft_target,
-                batch_ttft_target_s=self.config.batch_ttft_target,
-                max_queued=self.config.max_queued_requests,
-                batch_max_wait_s=self.config.batch_max_queue_wait,
-            ),
-        )
-        return Child("frontend", "frontend", spec.to_json())
+        workers = [WorkerSpec.from_json(child.spec_json) for child in self.schedulers]
+        return Child("frontend", "frontend", frontend_spec(self.config, self.runtime_dir, workers).to_json())
 
     def _gateway_child(self) -> Child:
         spec = GatewaySpec(
@@ -223,6 +184,53 @@ class Supervisor:
             log_level=self.config.log_level,
         )
         return Child("gateway", "frontend.gateway", spec.to_json())
+
+
+def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
+    """One WorkerSpec per scheduler: each model on each of its devices, with the config's engine options and that
+    scheduler's identity (model, served name, device) filled in."""
+    specs = []
+    served = config.served_models()
+    threads = config.scheduler_threads(sum(len(m.groups or config.devices) for m in served))
+    for model_index, model in enumerate(served):
+        for group, device in enumerate(model.groups or config.devices):
+            slot = f"{model_index}-{group}"
+            engine = msgspec.structs.replace(
+                config.engine, model=model.path, served_model_name=model.name, device=device
+            )
+            specs.append(
+                WorkerSpec(
+                    worker_id=f"{model.name}/{group}",
+                    group=str(group),
+                    input_address=f"ipc://{runtime_dir}/scheduler-{slot}.ipc",
+                    output_address=f"ipc://{runtime_dir}/frontend.ipc",
+                    heartbeat_path=str(runtime_dir / f"scheduler-{slot}.alive"),
+                    engine=engine,
+                    log_level=config.log_level,
+                    cpu_threads=threads,
+                )
+            )
+    return specs
+
+
+def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSpec]) -> FrontendSpec:
+    """The frontend's spec: where each scheduler listens, the models' names, and the admission options as given."""
+    served = config.served_models()
+    return FrontendSpec(
+        grpc_port=config.grpc_port,
+        metrics_port=config.metrics_port or None,
+        output_address=f"ipc://{runtime_dir}/frontend.ipc",
+        schedulers=[
+            SchedulerAddress(w.worker_id, w.engine.served_model_name or "", w.group, w.input_address) for w in workers
+        ],
+        default_model=served[0].name,
+        aliases={alias: m.name for m in served for alias in m.aliases},
+        drain_timeout_s=config.drain_timeout,
+        log_level=config.log_level,
+        tenants=list(config.tenants),
+        state_dir=config.state_dir,
+        admission=config.admission,
+    )
 
 
 def _systemd_runtime_dir() -> str | None:

@@ -6,9 +6,9 @@ import sys
 
 import uvloop
 
-from daemon.child_process import become_child
-from daemon.exit_codes import EXIT_TEMPORARY
-from daemon.logs import configure_logging
+from common.child_process import become_child
+from common.exit_codes import EXIT_TEMPORARY
+from common.logs import configure_logging
 from frontend.server import PortInUse, serve
 from frontend.spec import FrontendSpec
 

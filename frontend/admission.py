@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from frontend.errors import RequestError
 from frontend.metrics import FrontendMetrics
 from frontend.scheduler_link import SchedulerLink, SchedulerState
 from frontend.spec import AdmissionSpec, TenantSpec
-from frontend.validation import RequestError
-from gpu_runtime.sequence import Priority
+from gpu_runtime.ipc.enums import Priority
 
 _RATE_WINDOW_S = 10.0  # dispatches counted over this window give the pool's service rate
 # Batch work may use the slots interactive work left unused at its peak over this window. A batch request sent
@@ -183,7 +183,7 @@ class AdmissionController:
         tenants.setdefault(ticket.tenant, collections.deque()).append(ticket)
         self.pump()
         if not ticket.future.done():  # it has to wait: the policy decides whether it may
-            self._metrics.admission_queued.labels(ticket.priority.name.lower()).inc()
+            self._metrics.admission_queued.labels(ticket.priority.label).inc()
             self._apply_pressure(ticket)
         self._update_depth()
 
@@ -191,15 +191,15 @@ class AdmissionController:
         """Sheds by policy once a request must wait: batch before interactive, the newest batch first."""
         projected = self._projected_ttft(ticket)
         if ticket.priority == Priority.BATCH:
-            if projected > self._spec.batch_ttft_target_s and projected > self._spec.batch_max_wait_s:
+            if projected > self._spec.batch_ttft_target and projected > self._spec.batch_max_queue_wait:
                 self._remove(ticket)
                 self._shed_ticket(ticket, "projected_ttft", projected)
                 return
-        elif projected > _INTERACTIVE_MARGIN * self._spec.interactive_ttft_target_s:
+        elif projected > _INTERACTIVE_MARGIN * self._spec.interactive_ttft_target:
             # Interactive is about to miss its target: queued batch work gives way, as policy says.
             while (victim := self._newest(ticket.model, Priority.BATCH)) is not None:
                 self._remove(victim)
-                self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_wait_s)
+                self._shed_ticket(victim, "interactive_pressure", self._spec.batch_max_queue_wait)
             running_batch = sum(s.load.num_running_batch for s in self._link.ready_schedulers(ticket.model) if s.load)
             if running_batch == 0:
                 # No batch work left to make room: interactive alone exceeds capacity, and refusing a few keeps
@@ -207,12 +207,12 @@ class AdmissionController:
                 self._remove(ticket)
                 self._shed_ticket(ticket, "projected_ttft", projected)
                 return
-        if self._num_queued(ticket.model) > self._spec.max_queued:
+        if self._num_queued(ticket.model) > self._spec.max_queued_requests:
             victim = self._newest(ticket.model, Priority.BATCH)  # a batch arrival is the newest itself
             if victim is None:
                 victim = ticket  # no batch work can make room: the interactive arrival is refused
             self._remove(victim)
-            self._shed_ticket(victim, "queue_full", self._spec.batch_max_wait_s)
+            self._shed_ticket(victim, "queue_full", self._spec.batch_max_queue_wait)
 
     def pump(self) -> None:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
@@ -231,7 +231,7 @@ class AdmissionController:
                     pool.served[key] = pool.served.get(key, 0.0) + ticket.cost
                     pool.dispatches.append(time.monotonic())
                     pool.in_flight[priority] += 1
-                    self._metrics.admission_admitted.labels(priority.name.lower()).inc()
+                    self._metrics.admission_admitted.labels(priority.label).inc()
                     scheduler.reserved += 1
                     ticket.future.set_result(scheduler)
         self._update_depth()
@@ -281,8 +281,8 @@ class AdmissionController:
 
     def _target(self, priority: Priority) -> float:
         if priority == Priority.INTERACTIVE:
-            return self._spec.interactive_ttft_target_s
-        return self._spec.batch_ttft_target_s
+            return self._spec.interactive_ttft_target
+        return self._spec.batch_ttft_target
 
     async def _shed_expired_forever(self) -> None:
         """Sheds batch work that waited too long, and lets held batch work go once interactive pressure ends."""
@@ -292,20 +292,20 @@ class AdmissionController:
             now = time.monotonic()
             for pool in self._pools.values():
                 for queue in pool.queues[Priority.BATCH].values():
-                    while queue and now - queue[0].arrived > self._spec.batch_max_wait_s:
-                        self._shed_ticket(queue.popleft(), "max_wait", self._spec.batch_max_wait_s)
+                    while queue and now - queue[0].arrived > self._spec.batch_max_queue_wait:
+                        self._shed_ticket(queue.popleft(), "max_wait", self._spec.batch_max_queue_wait)
             self._update_depth()
 
     def _shed_ticket(self, ticket: Ticket, reason: str, retry_after_s: float) -> None:
         self._count_shed(ticket.priority, reason)
         if not ticket.future.done():
-            what = ticket.priority.name.lower()
+            what = ticket.priority.label
             ticket.future.set_exception(
                 Shed(f"server overloaded: {what} request shed ({reason})", reason, retry_after_s)
             )
 
     def _count_shed(self, priority: Priority, reason: str) -> None:
-        self._metrics.admission_shed.labels(priority.name.lower(), reason).inc()
+        self._metrics.admission_shed.labels(priority.label, reason).inc()
 
     def _newest(self, model: str, priority: Priority) -> Ticket | None:
         tickets = [q[-1] for q in self._pool(model).queues[priority].values() if q]
@@ -323,7 +323,7 @@ class AdmissionController:
     def _update_depth(self) -> None:
         for priority in Priority:
             depth = sum(len(q) for pool in self._pools.values() for q in pool.queues[priority].values())
-            self._metrics.admission_queue_depth.labels(priority.name.lower()).set(depth)
+            self._metrics.admission_queue_depth.labels(priority.label).set(depth)
 
 
 def _dispatch_rate(pool: Pool) -> float:

@@ -1,14 +1,26 @@
-"""AuthInterceptor: every RPC but health needs a valid API key once tenants are configured; Admin needs an admin."""
+"""AuthInterceptor: the one place a call is authenticated. Every RPC but health needs a valid API key once tenants
+are configured, Admin needs an admin tenant, and handlers read who is calling from `calling_tenant()`."""
 
 from __future__ import annotations
 
+import contextvars
+
 import grpc
 
+from frontend.errors import RequestError
+from frontend.spec import TenantSpec
 from frontend.tenants import Authenticator
-from frontend.validation import RequestError
 
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _ADMIN_PREFIX = "/tokend.v1.Admin/"
+
+# Set for the call's own task before its handler runs; None while authentication is off.
+_calling_tenant: contextvars.ContextVar[TenantSpec | None] = contextvars.ContextVar("calling_tenant", default=None)
+
+
+def calling_tenant() -> TenantSpec | None:
+    """The tenant of the call being handled (None when authentication is off)."""
+    return _calling_tenant.get()
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -25,7 +37,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} is not an admin")
         except RequestError as error:
             return _refusing(handler, error)
-        return handler
+        return _as_tenant(handler, tenant)
+
+
+def _same_kind(handler: grpc.RpcMethodHandler, unary, streaming) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` (unary or streaming response) running `unary` or `streaming`."""
+    common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **common)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **common)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **common)
+    return grpc.stream_stream_rpc_method_handler(streaming, **common)
+
+
+def _as_tenant(handler: grpc.RpcMethodHandler, tenant: TenantSpec) -> grpc.RpcMethodHandler:
+    """The real handler, run with `calling_tenant()` answering `tenant`."""
+    behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+
+    async def unary(request, context):
+        _calling_tenant.set(tenant)
+        return await behaviour(request, context)
+
+    async def streaming(request, context):
+        _calling_tenant.set(tenant)
+        async for response in behaviour(request, context):
+            yield response
+
+    return _same_kind(handler, unary, streaming)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, error: RequestError) -> grpc.RpcMethodHandler:
@@ -38,11 +78,4 @@ def _refusing(handler: grpc.RpcMethodHandler, error: RequestError) -> grpc.RpcMe
         await context.abort(error.code, error.message)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
-    common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **common)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **common)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **common)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **common)
+    return _same_kind(handler, refuse, refuse_stream)

@@ -9,19 +9,21 @@ import uuid
 import grpc
 
 from frontend.admission import AdmissionController, Shed
+from frontend.auth_interceptor import calling_tenant
 from frontend.chat_template import ChatTemplateError
+from frontend.errors import RequestError, invalid
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter, status_of
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
-from frontend.request_stream import ChunkBuilder, FinalCounts
+from frontend.request_stream import ChunkBuilder
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
 from frontend.spec import TenantSpec
-from frontend.tenants import Authenticator, resolve_priority
+from frontend.tenants import resolve_priority
 from frontend.usage_ledger import UsageRecord
-from frontend.validation import RequestError, chat_messages, invalid, prepare
+from frontend.validation import chat_messages, prepare
+from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
-from gpu_runtime.sequence import Priority
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -36,7 +38,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         models: ModelCatalog,
         lifecycle: Lifecycle,
         metrics: FrontendMetrics,
-        authenticator: Authenticator,
         meter: Meter,
         admission: AdmissionController,
         log,
@@ -44,7 +45,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._meter = meter
         self._admission = admission
         self._link = link
-        self._authenticator = authenticator
         self._models = models
         self._lifecycle = lifecycle
         self._metrics = metrics
@@ -62,8 +62,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         stream = None
         outcome = "cancelled"  # unless it finishes or fails: the client went away, or its deadline passed
         try:
-            tenant = self._authenticator.authenticate(context.invocation_metadata())
-            stream, builder, record = await self._admit(request, tenant)
+            stream, builder, record = await self._admit(request, calling_tenant())
             # Headers now: a client that sees them knows the request passed validation and is queued.
             await context.send_initial_metadata((("x-request-id", stream.request_id), ("x-model", builder.model_name)))
             async for chunk in self._chunks(stream, builder, record, arrived):
@@ -85,10 +84,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise RequestError(
                 grpc.StatusCode.PERMISSION_DENIED, f"model: tenant {tenant.name!r} may not use {model_name!r}"
             )
-        described = self._link.pick_scheduler(model_name)  # any of the pool: they share model and limits
-        if described is None:
+        model = self._models.describe(model_name)  # limits and files; admission picks the scheduler later
+        if model is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
-        model = described.ready
         tokenizer = self._models.tokenizer(model)
         chat_prompt = await self._render_chat(request, model) if request.HasField("chat") else None
         prepared = prepare(request, model, tokenizer, chat_prompt)
@@ -100,20 +98,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._queued_ids.add(request_id)
         try:
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
-            message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, int(priority))
-            stream = self._link.submit(scheduler, message, tenant.name if tenant else None)
+            message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, priority)
+            stream = self._link.submit(scheduler, message, tenant.name if tenant else None, cost)
         except Shed:
             await self._meter.record_shed(request_id, tenant.name if tenant else None, model_name, priority)
             raise
         finally:
             self._queued_ids.discard(request_id)
-        stream.priority, stream.cost = int(priority), cost
         self._log.info(
             "request_admitted",
             request_id=request_id,
             model=model_name,
             worker=scheduler.address.worker_id,
-            priority=priority.name.lower(),
+            priority=priority.label,
             prompt_tokens=len(message.prompt_token_ids),
         )
         record = self._meter.open(request_id, tenant.name if tenant else None, model_name, priority)
@@ -134,7 +131,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             deltas = await _next_deltas(stream)
             now = time.monotonic()
             chunk = builder.build(deltas)
-            self._meter.progress(record, builder.counts())
+            self._meter.progress(record, builder.last_delta)
             if builder.stopped_by_string and not stream.finished:
                 self._link.abort(stream.request_id)  # the rest of the generation is unwanted
             num_tokens = len(chunk.token_ids)
@@ -150,7 +147,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             if builder.finished:
                 self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
-                await self._close(stream, record, status_of(builder.finish_reason), builder.counts())
+                reason = builder.finish_reason
+                await self._close(stream, record, status_of(reason), reason, builder.last_delta)
             yield chunk
 
     def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
@@ -166,7 +164,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _settle(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        counts = builder.counts()
+        latest = builder.last_delta
         while True:
             # Deltas already queued first: `finished` says the final one was sent, not that anyone read it, and
             # the client may have gone while deltas (with their newer counts) were still waiting in the queue.
@@ -181,35 +179,41 @@ class GenerationService(pb_grpc.GenerationServicer):
                     break
             if isinstance(item, SchedulerLost):
                 break
-            counts = FinalCounts.of(item, "abort")
+            latest = item
         self._forget(stream)
-        await self._close(stream, record, outcome, counts)
+        await self._close(stream, record, outcome, builder.finish_reason or FinishReason.ABORT, latest)
 
-    async def _close(self, stream: RequestStream, record: UsageRecord, status: str, counts: FinalCounts) -> None:
+    async def _close(
+        self,
+        stream: RequestStream,
+        record: UsageRecord,
+        status: str,
+        finish_reason: FinishReason,
+        latest: RequestDelta | None,
+    ) -> None:
         if record.status != "running":
             return
-        await self._meter.close(record, status, counts)
-        priority = Priority(stream.priority)
-        self._admission.account(record.model, record.tenant, priority, stream.cost, counts.prompt_tokens,
-                                counts.completion_tokens)  # fmt: skip
+        await self._meter.close(record, status, finish_reason, latest)
+        self._admission.account(record.model, record.tenant, stream.priority, stream.cost, record.prompt_tokens,
+                                record.completion_tokens)  # fmt: skip
 
     def _forget(self, stream: RequestStream) -> None:
         """The request no longer holds a scheduler slot: the next queued one may go."""
         if self._link.is_in_flight(stream.request_id):
             self._link.forget(stream)
-            self._admission.release(stream.scheduler.address.model_name, stream.tenant, Priority(stream.priority))
+            self._admission.release(stream.scheduler.address.model_name, stream.tenant, stream.priority)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        tenant = self._authenticator.authenticate(context.invocation_metadata())
+        tenant = calling_tenant()
         owner = self._link.owner(request.request_id)
         if tenant is not None and owner != tenant.name:
             return pb.AbortResponse(aborted=False)  # another tenant's request is none of this caller's business
         return pb.AbortResponse(aborted=self._link.abort(request.request_id))
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
-        tenant = self._authenticator.authenticate(context.invocation_metadata())
+        tenant = calling_tenant()
         models = []
         for name in self._models.names:
             if tenant is not None and not tenant.may_use(name):
@@ -234,7 +238,7 @@ async def _next_deltas(stream: RequestStream) -> list[RequestDelta]:
     lost = next((item for item in items if isinstance(item, SchedulerLost)), None)
     if lost is not None:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, lost.reason)
-    refused = next((d for d in items if d.finish_reason == "error"), None)
+    refused = next((d for d in items if d.finish_reason is FinishReason.ERROR), None)
     if refused is not None:
         raise invalid(refused.error or "request refused by the scheduler")
     return items

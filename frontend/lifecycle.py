@@ -7,8 +7,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from frontend.errors import RequestError
 from frontend.scheduler_link import SchedulerLink
-from frontend.validation import RequestError
 
 SERVICE_NAMES = ("", "tokend.v1.Generation")
 

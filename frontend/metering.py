@@ -8,16 +8,16 @@ import time
 import uuid
 
 from frontend.metrics import FrontendMetrics
-from frontend.request_stream import FinalCounts
 from frontend.usage_ledger import UsageLedger, UsageRecord
-from gpu_runtime.sequence import Priority
+from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.messages import RequestDelta
 
 CHECKPOINT_EVERY_S = 1.0
 
 
-def status_of(finish_reason: str) -> str:
+def status_of(finish_reason: FinishReason) -> str:
     """A request that ran to its end finished; one ended by an abort was cancelled."""
-    return "cancelled" if finish_reason == "abort" else "finished"
+    return "cancelled" if finish_reason is FinishReason.ABORT else "finished"
 
 
 class Meter:
@@ -36,7 +36,7 @@ class Meter:
             request_id=request_id,
             tenant=tenant or "",
             model=model,
-            priority=priority.name.lower(),
+            priority=priority.label,
             status="running",
             prompt_tokens=0,
             completion_tokens=0,
@@ -48,21 +48,27 @@ class Meter:
         self._ledger.checkpoint([record])
         return record
 
-    def progress(self, record: UsageRecord, counts: FinalCounts) -> None:
-        record.prompt_tokens, record.completion_tokens = counts.prompt_tokens, counts.completion_tokens
-        record.cached_tokens = counts.cached_tokens
+    def progress(self, record: UsageRecord, latest: RequestDelta | None) -> None:
+        """The scheduler's latest cumulative counts (None: it has said nothing yet) become the record's."""
+        if latest is not None:
+            record.prompt_tokens, record.completion_tokens = latest.num_prompt_tokens, latest.num_output_tokens
+            record.cached_tokens = latest.num_cached_tokens
         record.updated_at = time.time()
 
     async def record_shed(self, request_id: str, tenant: str | None, model: str, priority: Priority) -> None:
         """A request refused under pressure is in the ledger too, with nothing computed."""
         record = self.open(request_id, tenant, model, priority)
-        await self.close(record, "shed", FinalCounts("shed", 0, 0, 0))
+        await self.close(record, "shed", None, None)
 
-    async def close(self, record: UsageRecord, status: str, counts: FinalCounts) -> None:
-        """Commits the final row (once) and counts it in the metrics with the very same numbers."""
+    async def close(
+        self, record: UsageRecord, status: str, finish_reason: FinishReason | None, latest: RequestDelta | None
+    ) -> None:
+        """Commits the final row (once) and counts it in the metrics with the very same numbers.
+
+        `finish_reason` is None for a request that never ran (shed); `latest` is its scheduler's last delta."""
         if record.status != "running":
             return
-        self.progress(record, counts)
+        self.progress(record, latest)
         record.status, record.finished_at = status, record.updated_at
         self._running.pop(record.record_id, None)
         await self._ledger.commit(record)
@@ -74,13 +80,14 @@ class Meter:
         m.tenant_cached_tokens.labels(*labels).inc(record.cached_tokens)
         m.prompt_tokens.labels(record.model).inc(record.prompt_tokens)
         m.generation_tokens.labels(record.model).inc(record.completion_tokens)
-        m.request_success.labels(record.model, counts.finish_reason).inc()
+        if finish_reason is not None:
+            m.request_success.labels(record.model, finish_reason).inc()
         self._log.info(
             "request_finished",
             request_id=record.request_id,
             tenant=record.tenant,
             status=status,
-            finish_reason=counts.finish_reason,
+            finish_reason=finish_reason,
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens,
             cached_tokens=record.cached_tokens,

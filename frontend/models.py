@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from frontend.chat_template import ChatTemplate
+from frontend.errors import RequestError
 from frontend.scheduler_link import SchedulerLink
-from frontend.validation import RequestError
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.tokenizer import Tokenizer
 

@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
+from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import RequestDelta
 from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
 
-@dataclass(frozen=True, slots=True)
-class FinalCounts:
-    """What a request really cost, as its scheduler counted it."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @classmethod
-    def of(cls, delta: RequestDelta, finish_reason: str) -> FinalCounts:
-        return cls(finish_reason, delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens)
-
-
 class ChunkBuilder:
+    """Detokenizes incrementally, cuts at stop strings, and keeps the scheduler's latest counts (`last_delta`)."""
+
     def __init__(self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str]):
         self.request_id = request_id
         self.model_name = model_name
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer.backend)
         self._stop = StopStringMatcher(stop)
-        self._last: RequestDelta | None = None
-        self.finish_reason: str | None = None
+        self.last_delta: RequestDelta | None = None  # its counts are what the request cost so far
+        self.finish_reason: FinishReason | None = None
 
     @property
     def finished(self) -> bool:
@@ -43,20 +30,20 @@ class ChunkBuilder:
         return self._stop.matched is not None
 
     def build(self, deltas: list[RequestDelta]) -> pb.GenerateResponse:
-        self._last = deltas[-1]
+        self.last_delta = last = deltas[-1]
         token_ids = [token for delta in deltas for token in delta.new_token_ids]
         text = self._stop.push(self._detokenizer.push(token_ids))
-        finish_reason = self._last.finish_reason
+        finish_reason = last.finish_reason
         if finish_reason is not None and self._stop.matched is None:
             text += self._stop.push(self._detokenizer.finish())
             text += self._stop.flush()
         if self._stop.matched is not None:
-            finish_reason = "stop"
+            finish_reason = FinishReason.STOP
         self.finish_reason = finish_reason
         usage = pb.Usage(
-            prompt_tokens=self._last.num_prompt_tokens,
-            completion_tokens=self._last.num_output_tokens,
-            cached_tokens=self._last.num_cached_tokens,
+            prompt_tokens=last.num_prompt_tokens,
+            completion_tokens=last.num_output_tokens,
+            cached_tokens=last.num_cached_tokens,
         )
         return pb.GenerateResponse(
             request_id=self.request_id,
@@ -67,14 +54,6 @@ class ChunkBuilder:
             logprobs=self._logprobs(deltas),
             model=self.model_name,
         )
-
-    def counts(self) -> FinalCounts:
-        """Counts as far as this stream saw them (the scheduler's, at its last delta)."""
-        last = self._last
-        reason = self.finish_reason or "abort"
-        if last is None:
-            return FinalCounts(reason, 0, 0, 0)
-        return FinalCounts.of(last, reason)
 
     def _logprobs(self, deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
         text = self._tokenizer.token_text

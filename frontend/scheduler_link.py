@@ -19,6 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from frontend.spec import FrontendSpec, SchedulerAddress
+from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -64,7 +65,7 @@ class RequestStream:
     scheduler: SchedulerState
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta | SchedulerLost
     tenant: str | None = None  # who sent it (None while authentication is off)
-    priority: int = 0
+    priority: Priority = Priority.INTERACTIVE
     cost: int = 0  # prompt + max_tokens: what admission charged its tenant at dispatch
     finished: bool = False  # the scheduler sent its final delta
     lost: bool = False  # the scheduler died (or the frontend gave up on it): no final delta will come
@@ -105,17 +106,13 @@ class SchedulerLink:
     def ready_schedulers(self, model_name: str) -> list[SchedulerState]:
         return [s for s in self.schedulers if s.address.model_name == model_name and s.is_ready]
 
-    def pick_scheduler(self, model_name: str) -> SchedulerState | None:
-        """The ready scheduler of the model whose latest report projects the soonest first token; between
-        equals (an idle pool), the one with the fewest requests in flight from here."""
-        candidates = self.ready_schedulers(model_name)
-        return min(candidates, key=lambda s: (s.projected_ttft_seconds, len(s.requests)), default=None)
-
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def submit(self, scheduler: SchedulerState, message: AddRequest, tenant: str | None = None) -> RequestStream:
-        stream = RequestStream(message.request_id, scheduler, tenant=tenant)
+    def submit(
+        self, scheduler: SchedulerState, message: AddRequest, tenant: str | None = None, cost: int = 0
+    ) -> RequestStream:
+        stream = RequestStream(message.request_id, scheduler, tenant=tenant, priority=message.priority, cost=cost)
         scheduler.reserved = max(0, scheduler.reserved - 1)
         self._streams[message.request_id] = stream
         scheduler.requests.add(message.request_id)

@@ -58,7 +58,7 @@ async def serve(spec: FrontendSpec, log) -> None:
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(link, models, lifecycle, metrics, authenticator, meter, admission, log), server
+        GenerationService(link, models, lifecycle, metrics, meter, admission, log), server
     )
     pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle, ledger.path), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
 
 
 class SchedulerAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -26,13 +32,30 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return not self.models or model in self.models
 
 
-class AdmissionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Priority admission: per-class time-to-first-token targets, and how much may wait."""
+class AdmissionSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Priority admission: per-class time-to-first-token targets, and how much may wait.
 
-    interactive_ttft_target_s: float = 2.0
-    batch_ttft_target_s: float = 30.0
-    max_queued: int = 256  # requests waiting for a scheduler slot, both classes together
-    batch_max_wait_s: float = 60.0  # a batch request queued this long is shed
+    The field names are `tokend serve`'s config keys, and the descriptions their `--help` text."""
+
+    interactive_ttft_target: Annotated[
+        float, _doc("seconds; when interactive work would miss it, queued batch work is shed to make way")
+    ] = 2.0
+    batch_ttft_target: Annotated[
+        float, _doc("seconds; beyond it, batch work waits (up to batch_max_queue_wait) or is shed")
+    ] = 30.0
+    max_queued_requests: Annotated[
+        int, _doc("requests waiting for a slot, both classes; when full, the newest batch request is shed")
+    ] = 256
+    batch_max_queue_wait: Annotated[float, _doc("seconds; a batch request waiting this long for a slot is shed")] = 60.0
+
+    def __post_init__(self) -> None:
+        for key in ("interactive_ttft_target", "batch_ttft_target", "batch_max_queue_wait"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{key}: must be seconds >= 0, got {value!r}")
+        value = self.max_queued_requests
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"max_queued_requests: must be an integer >= 1, got {value!r}")
 
 
 class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -12,11 +12,9 @@ from collections.abc import Iterable
 
 import grpc
 
+from frontend.errors import RequestError
 from frontend.spec import TenantSpec
-from frontend.validation import RequestError
-from gpu_runtime.sequence import Priority
-
-PRIORITY_NAMES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
+from gpu_runtime.ipc.enums import Priority
 
 
 class Authenticator:
@@ -52,10 +50,10 @@ def resolve_priority(tenant: TenantSpec | None, requested: Priority | None) -> P
     """The class a request runs in: what it asked for, else its tenant's default; never above the tenant's max."""
     if tenant is None:
         return requested if requested is not None else Priority.INTERACTIVE
-    priority = requested if requested is not None else PRIORITY_NAMES[tenant.priority]
-    if priority < PRIORITY_NAMES[tenant.max_priority]:  # lower value = more urgent
+    priority = requested if requested is not None else Priority.from_label(tenant.priority)
+    if priority < Priority.from_label(tenant.max_priority):  # lower value = more urgent
         raise RequestError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"priority: tenant {tenant.name!r} may not ask for {priority.name.lower()} (at most {tenant.max_priority})",
+            f"priority: tenant {tenant.name!r} may not ask for {priority.label} (at most {tenant.max_priority})",
         )
     return priority

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
-from gpu_runtime.ipc.messages import Sampling, SchedulerReady
-from gpu_runtime.sampling_params import SamplingParams
-from gpu_runtime.sequence import Priority
+from frontend.errors import invalid
+from gpu_runtime.ipc.enums import Priority
+from gpu_runtime.ipc.messages import SchedulerReady
+from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
@@ -16,6 +15,8 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CHAT_MESSAGES = 256
+# proto3 `optional` fields of pb.SamplingParams, whose absence means SamplingParams' default
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "logprobs")
 
 _PRIORITIES = {
     pb.PRIORITY_UNSPECIFIED: None,  # the tenant's default class
@@ -24,24 +25,10 @@ _PRIORITIES = {
 }
 
 
-class RequestError(Exception):
-    """A request the server refuses: a gRPC status code and a message that names the field."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata: tuple[tuple[str, str], ...] = ()):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.trailing_metadata = trailing_metadata
-
-
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams  # sent to the scheduler as it is
     stop: list[str]
     priority: Priority | None  # None: the request did not ask for a class
 
@@ -80,7 +67,7 @@ def prepare(
             f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages, "
             f"but the whole cache holds {model.num_pages}"
         )
-    return PreparedRequest(token_ids, Sampling.of(params), stop, _PRIORITIES[request.priority])
+    return PreparedRequest(token_ids, params, stop, _PRIORITIES[request.priority])
 
 
 def _sampling_params(wire: pb.SamplingParams, fill_to: int | None) -> tuple[SamplingParams, list[str]]:
@@ -89,17 +76,17 @@ def _sampling_params(wire: pb.SamplingParams, fill_to: int | None) -> tuple[Samp
         raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in stop):
         raise invalid(f"sampling.stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    # Only the fields the client set: SamplingParams alone declares the defaults.
+    given = {name: getattr(wire, name) for name in _OPTIONAL_SAMPLING_FIELDS if wire.HasField(name)}
+    if fill_to is not None:
+        given["max_tokens"] = fill_to
     try:
         params = SamplingParams(
-            max_tokens=wire.max_tokens if wire.HasField("max_tokens") else (fill_to or 16),
-            temperature=wire.temperature if wire.HasField("temperature") else 1.0,
-            top_p=wire.top_p if wire.HasField("top_p") else 1.0,
             top_k=wire.top_k,
             min_p=wire.min_p,
-            seed=wire.seed if wire.HasField("seed") else None,
             stop_token_ids=tuple(wire.stop_token_ids),
             ignore_eos=wire.ignore_eos,
-            logprobs=wire.logprobs if wire.HasField("logprobs") else None,
+            **given,
         )
     except ValueError as error:  # SamplingParams names the field; the wire name adds its message
         raise invalid(f"sampling.{error}") from None

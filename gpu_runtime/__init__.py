@@ -12,11 +12,13 @@ _EXPORTS = {
     "LLM": "gpu_runtime.llm",
     "CompletionOutput": "gpu_runtime.outputs",
     "EngineConfig": "gpu_runtime.engine_config",
+    "FinishReason": "gpu_runtime.ipc.enums",
     "LLMEngine": "gpu_runtime.engine",
-    "Logprob": "gpu_runtime.outputs",
+    "Priority": "gpu_runtime.ipc.enums",
+    "RequestDelta": "gpu_runtime.ipc.messages",
     "RequestOutput": "gpu_runtime.outputs",
-    "SamplingParams": "gpu_runtime.sampling_params",
-    "StepOutput": "gpu_runtime.outputs",
+    "SamplingParams": "gpu_runtime.ipc.sampling_params",
+    "TokenLogprob": "gpu_runtime.ipc.messages",
 }
 __all__ = sorted(_EXPORTS)
 

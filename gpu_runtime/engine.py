@@ -11,19 +11,21 @@ import torch
 
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.device import resolve_device, resolve_dtype
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.engine_stats import EngineSnapshot, EngineStats
+from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
+from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.kv_pool import KVPool, kv_budget_bytes
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.model.config import load_model_config
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model_runner import ModelRunner
-from gpu_runtime.outputs import StepOutput
 from gpu_runtime.sampler import Sampler
-from gpu_runtime.sampling_params import SamplingParams
-from gpu_runtime.scheduler import Scheduler, SchedulerConfig
-from gpu_runtime.sequence import Priority, Sequence, SequenceStatus
+from gpu_runtime.scheduler import Scheduler
+from gpu_runtime.sequence import Sequence, SequenceStatus
 from gpu_runtime.tokenizer import Tokenizer
 
 
@@ -41,8 +43,8 @@ class LLMEngine:
                 self.model_config, max_model_len=min(config.max_model_len, self.model_config.max_model_len)
             )
         self.tokenizer = Tokenizer(model_dir)
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         backend = make_attention_backend(config.attention_backend)
         model = load_model(model_dir, self.model_config, backend, self.dtype, self.device)
         budget = kv_budget_bytes(self.device, config.kv_cache_bytes, config.gpu_memory_utilization)
@@ -50,17 +52,7 @@ class LLMEngine:
         # The salt keeps one model's cached pages from ever matching another's.
         salt = f"{self.model_name}:{model_dir.resolve()}".encode()
         self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                scheduling=config.scheduling,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                ttft_slo_ms=config.ttft_slo_ms,
-                itl_slo_ms=config.itl_slo_ms,
-            ),
-            self.kv,
-        )
+        self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
         self.runner = ModelRunner(model, pool, self.device)
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -75,6 +67,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
+        cache_salt: str = "",
     ) -> None:
         """Queues a request; raises ValueError naming the field if it can never be served."""
         if request_id in self._requests:
@@ -91,6 +84,7 @@ class LLMEngine:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             generator=generator,
             priority=Priority(priority),
+            cache_salt=cache_salt,
             arrival_order=next(self._arrivals),
         )
         self._requests[request_id] = seq
@@ -113,18 +107,18 @@ class LLMEngine:
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
         if not self.kv.fits_pool(longest):
             raise ValueError(
-                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.pages_for(longest)} KV "
+                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.num_pages_for(longest)} KV "
                 f"pages, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
             )
 
-    def abort_request(self, request_id: str) -> StepOutput | None:
-        """Drops a request wherever it is and frees its pages; returns its final output, or None if unknown."""
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Drops a request wherever it is and frees its pages; returns its final delta, or None if unknown."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, FinishReason.ABORT)
         self._check_when_idle()
-        return self._step_output(seq, [], None)
+        return self._delta(seq, [], None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -138,7 +132,7 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[RequestDelta]:
         """Schedules, runs one forward, samples, and evicts finished sequences; returns what changed.
 
         A sequence whose prompt chunk did not reach its end yet computes but does not sample, so it
@@ -151,12 +145,7 @@ class LLMEngine:
         inputs = self.runner.prepare(scheduled)
         logits = self.runner.execute(inputs)
         tokens, logprobs = self.sampler(logits, inputs.sampling)
-        for seq in scheduled.decodes:
-            seq.num_computed_tokens += 1
-        for work in scheduled.prefills:
-            work.seq.num_computed_tokens += work.num_new_tokens
-        for seq in itertools.chain(scheduled.decodes, (work.seq for work in scheduled.prefills)):
-            self.kv.commit_full_pages(seq)
+        self.scheduler.update_after_step(scheduled)
         self.stats.observe_kv(self.kv, self.scheduler.running + self.scheduler.held)
         outputs = [
             self._append_sampled(seq, token, logprob)
@@ -168,14 +157,14 @@ class LLMEngine:
         self._check_when_idle()
         return outputs
 
-    def _append_sampled(self, seq: Sequence, token: int, logprob) -> StepOutput:
+    def _append_sampled(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestDelta:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         seq.append_token(token, logprob)
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, seq.finish_reason)
-        return self._step_output(seq, [token], [logprob] if logprob else None)
+        return self._delta(seq, [token], [logprob] if logprob else None)
 
     def _check_when_idle(self) -> None:
         if self.config.debug_checks and not self.scheduler.has_unfinished():
@@ -187,7 +176,7 @@ class LLMEngine:
 
     def export_prefix(self, token_ids: list[int]) -> PageExport:
         """The K/V of the longest cached prefix of `token_ids`, as tensors plus page hashes."""
-        return export_pages(self.kv, self.runner.pool, self.kv.find_cached_prefix(token_ids))
+        return export_pages(self.kv, self.runner.pool, self.kv.lookup(self.kv.hasher.hash_tokens(token_ids)))
 
     def import_prefix(self, export: PageExport) -> int:
         """Adds exported pages to this engine's prefix cache; returns how many were new here."""
@@ -197,8 +186,9 @@ class LLMEngine:
         """The engine's state in a few numbers, cheap enough to read at every step."""
         return EngineSnapshot.of(self)
 
-    def _step_output(self, seq: Sequence, new_tokens: list[int], new_logprobs) -> StepOutput:
-        return StepOutput(
+    @staticmethod
+    def _delta(seq: Sequence, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestDelta:
+        return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             new_logprobs=new_logprobs,

@@ -1,57 +1,95 @@
-"""EngineConfig: every knob of one engine, validated, with defaults that work on a laptop."""
+"""SchedulerConfig and EngineConfig: every knob of one engine, validated, with defaults that work on a laptop.
+
+Torch-free msgspec Structs, so that one object goes from `tokend serve`'s flags and TOML file to the engine
+unchanged: the daemon builds and checks it before any process starts, ships it to the scheduler process as
+JSON, and the engine and scheduler read it there. Each field's description is its `--help` text.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-import torch
+import msgspec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from common.checks import is_int, is_number, require
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str | None = None  # a Hugging Face checkpoint directory; None serves the embedded default
-    served_model_name: str | None = None  # the name clients use; defaults to the directory's name
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # cuda when present, else cpu
-    page_size: int = 16  # tokens per KV page
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    kv_cache_bytes: int | None = None  # KV pool size; None: 512 MiB on CPU, a share of free memory on CUDA
-    gpu_memory_utilization: float = 0.9  # that share
-    max_model_len: int | None = None  # caps the checkpoint's context length
-    scheduling: str = "continuous"  # "static" exists only as the benchmark baseline
-    enable_prefix_caching: bool = True  # requests sharing a prefix share its cached pages
-    enable_chunked_prefill: bool = True  # long prompts are split across steps, decodes go first
-    ttft_slo_ms: float | None = None  # time-to-first-token target the batch depth is held to
-    itl_slo_ms: float | None = None  # inter-token latency target each step's token budget is held to
-    attention_backend: str = "torch"
-    # Check the page pool's invariants whenever the engine goes idle (TOKEND_DEBUG=1 turns it on).
-    debug_checks: bool = field(default_factory=lambda: os.environ.get("TOKEND_DEBUG") == "1")
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the continuous-batching scheduler needs: batch limits, chunking, and the latency targets."""
+
+    max_num_seqs: Annotated[int, _doc("sequences in the running batch at most")] = 64
+    max_num_batched_tokens: Annotated[int, _doc("tokens one forward step computes at most")] = 4096
+    scheduling: Annotated[
+        Literal["continuous", "static"],
+        _doc("continuous batching, or static (a batch keeps its shape until its last member ends; a baseline)"),
+    ] = "continuous"
+    enable_chunked_prefill: Annotated[
+        bool, _doc("split long prompts across steps, so running streams keep decoding beside them")
+    ] = True
+    ttft_slo_ms: Annotated[
+        float | None, _doc("hold the batch depth so that a new prompt's first token comes within this (ms)")
+    ] = None
+    itl_slo_ms: Annotated[
+        float | None, _doc("hold each step's token budget so that running streams keep this pace (ms)")
+    ] = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size: must be a power of two, got {self.page_size!r}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes: must be positive, got {self.kv_cache_bytes}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, key)
+            require(is_int(value) and value >= 1, key, "an integer >= 1", value)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot carry one token for each of "
+                f"max_num_seqs={self.max_num_seqs} sequences; raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        require(self.scheduling in ("continuous", "static"), "scheduling", "continuous|static", self.scheduling)
+        chunked = self.enable_chunked_prefill
+        require(isinstance(chunked, bool), "enable_chunked_prefill", "true|false", chunked)
+        for key in ("ttft_slo_ms", "itl_slo_ms"):
+            value = getattr(self, key)
+            ok = value is None or (is_number(value) and value > 0)
+            require(ok, key, "a positive number of milliseconds, or unset", value)
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            return torch.device(self.device)
-        except RuntimeError as error:
-            raise ValueError(f"device: {self.device!r} is not a torch device ({error})") from None
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine: which model on which device, its KV cache, and (inherited) its scheduler's knobs."""
+
+    model: Annotated[str | None, _doc("a Hugging Face checkpoint directory; unset serves the embedded model")] = None
+    served_model_name: Annotated[str | None, _doc("the name clients use; default: the directory's name")] = None
+    device: Annotated[str, _doc("auto (cuda when present, else cpu), cpu, cuda, cuda:N")] = "auto"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"], _doc("auto: float32 on CPU, bfloat16 on CUDA")
+    ] = "auto"
+    max_model_len: Annotated[int | None, _doc("caps the checkpoint's context length (tokens)")] = None
+    page_size: Annotated[int, _doc("tokens per KV-cache page (a power of two)")] = 16
+    kv_cache_bytes: Annotated[
+        int | None, _doc("KV-cache size in bytes; unset: 512 MiB on CPU, a share of free memory on CUDA")
+    ] = None
+    gpu_memory_utilization: Annotated[float, _doc("that share of free GPU memory, in (0, 1]")] = 0.9
+    enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
+    attention_backend: Annotated[Literal["torch"], _doc("the attention kernels: torch (paged, any device)")] = "torch"
+    # Check the page pool's invariants whenever the engine goes idle (TOKEND_DEBUG=1 turns it on).
+    debug_checks: bool = msgspec.field(default_factory=lambda: os.environ.get("TOKEND_DEBUG") == "1")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"auto|{'|'.join(DTYPES)}", self.dtype)
+        require(isinstance(self.device, str) and bool(self.device), "device", "a device name", self.device)
+        size = self.page_size
+        require(is_int(size) and size >= 1 and not size & (size - 1), "page_size", "a power of two", size)
+        budget = self.kv_cache_bytes
+        require(budget is None or (is_int(budget) and budget > 0), "kv_cache_bytes", "a positive integer", budget)
+        share = self.gpu_memory_utilization
+        require(is_number(share) and 0 < share <= 1, "gpu_memory_utilization", "in (0, 1]", share)
+        length = self.max_model_len
+        require(length is None or (is_int(length) and length >= 2), "max_model_len", "an integer >= 2", length)
+        caching = self.enable_prefix_caching
+        require(isinstance(caching, bool), "enable_prefix_caching", "true|false", caching)
+        require(self.attention_backend == "torch", "attention_backend", "torch", self.attention_backend)

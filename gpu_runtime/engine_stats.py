@@ -61,7 +61,7 @@ class EngineSnapshot:
     num_pages: int
     num_used_pages: int
     num_cached_pages: int  # pages holding registered prefix content, owned or free
-    kv_usage: float  # used pages / all pages
+    kv_cache_usage: float  # used pages / all pages
     prefix_query_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
@@ -82,7 +82,7 @@ class EngineSnapshot:
             num_pages=kv.num_pages,
             num_used_pages=kv.num_used_pages,
             num_cached_pages=kv.allocator.num_cached_pages,
-            kv_usage=kv.num_used_pages / kv.num_pages,
+            kv_cache_usage=kv.num_used_pages / kv.num_pages,
             prefix_query_tokens=kv.num_prefix_query_tokens,
             prefix_hit_tokens=kv.num_prefix_hit_tokens,
             num_preemptions=stats.num_preemptions,

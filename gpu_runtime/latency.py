@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu_runtime.engine_config import SchedulerConfig
+
 _MIN_SAMPLES = 8  # steps seen before the model is trusted; until then the configured maxima apply
 _WINDOW = 512
 _REFIT_EVERY = 16
@@ -66,18 +68,6 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True, slots=True)
-class LatencyTargets:
-    ttft_slo_ms: float | None = None  # time to first token for a newly arrived request
-    itl_slo_ms: float | None = None  # time between two tokens of a running stream
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_slo_ms", "itl_slo_ms"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: must be a positive number of milliseconds or None, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
 class StepPlan:
     token_budget: int  # tokens this step may compute
     max_running: int  # sequences the running batch may hold after admission
@@ -86,10 +76,10 @@ class StepPlan:
 class LatencyPolicy:
     """Turns the targets and the step-time model into each step's budget and batch depth."""
 
-    def __init__(self, targets: LatencyTargets, max_num_batched_tokens: int, max_num_seqs: int, min_chunk: int):
-        self.targets = targets
-        self.max_tokens = max_num_batched_tokens
-        self.max_seqs = max_num_seqs
+    def __init__(self, config: SchedulerConfig, min_chunk: int):
+        self.targets = config  # ttft_slo_ms and itl_slo_ms
+        self.max_tokens = config.max_num_batched_tokens
+        self.max_seqs = config.max_num_seqs
         self.min_chunk = min_chunk  # prefill always advances by at least this much per step
         self.model = StepTimeModel()
 

@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 
 from gpu_runtime.engine import LLMEngine
 from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.outputs import CompletionOutput, RequestOutput
-from gpu_runtime.sampling_params import SamplingParams
 
 PromptInput = str | dict
 

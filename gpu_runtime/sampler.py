@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.outputs import Logprob
+from gpu_runtime.ipc.messages import TokenLogprob
 from gpu_runtime.sequence import Sequence
 
 # Tokens looked at for a top-p nucleus: first the best 64 (a confident next token's nucleus), then the best
@@ -16,7 +16,7 @@ _WIDE_NUCLEUS_GUESS = 1024
 class Sampler:
     """Samples a whole batch at once; only seeded rows draw their random number one by one, from their own RNG."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Logprob | None]]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
         tokens = logits.argmax(dim=-1)
         sampling_rows = [row for row, seq in enumerate(seqs) if not seq.params.is_greedy]
         if sampling_rows:  # only the rows that sample pay for it: greedy ones keep their argmax
@@ -41,7 +41,7 @@ class Sampler:
 
     def _logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, token_list: list[int], seqs: list[Sequence]
-    ) -> list[Logprob | None]:
+    ) -> list[TokenLogprob | None]:
         wanted = [seq.params.logprobs for seq in seqs]
         if all(n is None for n in wanted):
             return [None] * len(seqs)
@@ -50,13 +50,13 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         max_top = max(n or 0 for n in wanted)
         top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
-        results: list[Logprob | None] = []
+        results: list[TokenLogprob | None] = []
         for row, n in enumerate(wanted):
             if n is None:
                 results.append(None)
                 continue
-            top = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else {}
-            results.append(Logprob(token_list[row], chosen[row], top))
+            top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else []
+            results.append(TokenLogprob(token_list[row], chosen[row], top))
         return results
 
 

@@ -7,34 +7,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from gpu_runtime.engine_config import SchedulerConfig
+from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.kv_cache.manager import KVCacheManager
-from gpu_runtime.latency import LatencyPolicy, LatencyTargets, StepPlan
+from gpu_runtime.latency import LatencyPolicy, StepPlan
 from gpu_runtime.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences in the running batch at most
-    max_num_batched_tokens: int = 4096  # tokens one forward computes at most
-    # or "static": a batch is admitted only once the last one has finished, and keeps its shape until then
-    scheduling: str = "continuous"
-    enable_chunked_prefill: bool = True  # split long prompts across steps so decodes keep flowing
-    ttft_slo_ms: float | None = None  # hold the batch depth so a new prompt's first token comes this fast
-    itl_slo_ms: float | None = None  # hold each step's token budget so running streams keep this pace
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} cannot carry one token for each of "
-                f"max_num_seqs={self.max_num_seqs} sequences"
-            )
-        if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling: must be 'continuous' or 'static', got {self.scheduling!r}")
-        LatencyTargets(self.ttft_slo_ms, self.itl_slo_ms)  # validates both
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,18 +74,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: list[Sequence] = []  # static batching only: finished, still holding slot and pages
         self.num_preemptions = 0
-        self.policy = LatencyPolicy(
-            LatencyTargets(config.ttft_slo_ms, config.itl_slo_ms),
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            min_chunk=kv.page_size,
-        )
+        self.policy = LatencyPolicy(config, min_chunk=kv.page_size)
         self._admissions = itertools.count()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queues a new (or preempted) sequence in its place: by priority, then arrival."""
+        self.kv.hash_new_pages(seq)
         bisect.insort(self.waiting, seq, key=lambda s: s.queue_key)
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -170,8 +144,7 @@ class Scheduler:
                 victim = self._pick_victim(lower)
                 budget += out.tokens_of(victim)
                 self._preempt(victim, out)
-            # At least one token is left to compute: the step that computes it yields the logits.
-            match = self.kv.find_cached_prefix(seq.token_ids_range(0, seq.num_tokens), seq.num_tokens - 1)
+            match = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - match.num_tokens(self.kv.page_size)
             # Static batching prefills its whole batch at once, whatever the budget.
             num_new = remaining if static else self._tokens_to_schedule(remaining, budget, out)
@@ -186,11 +159,26 @@ class Scheduler:
                 budget += out.tokens_of(victim)
                 self._preempt(victim, out)
             self.waiting.pop(0)
+            seq.num_computed_tokens = match.num_tokens(self.kv.page_size)
+            if seq.num_preemptions == 0:  # a recompute after preemption is not a cache hit for the client
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             seq.admission_order = next(self._admissions)
             self.running.append(seq)
             out.prefills.append(PrefillWork(seq, num_new))
             budget -= num_new
+
+    # -- after the forward -----------------------------------------------------------------------------------
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The step computed what `out` scheduled: its tokens' K/V is in the cache, and full pages can be shared."""
+        for seq in out.decodes:
+            seq.num_computed_tokens += 1
+        for work in out.prefills:
+            work.seq.num_computed_tokens += work.num_new_tokens
+        for seq in itertools.chain(out.decodes, (work.seq for work in out.prefills)):
+            self.kv.hash_new_pages(seq)
+            self.kv.commit_full_pages(seq)
 
     # -- preemption ---------------------------------------------------------------------------------------
 
@@ -203,14 +191,14 @@ class Scheduler:
         out.drop(seq)
         out.preempted.append(seq)
         self.running.remove(seq)
-        self.kv.release(seq)
+        self._release(seq)
         self._release_held_once_drained()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Removes a finished or aborted sequence from whichever queue holds it and frees its pages."""
         was_running = seq.status is SequenceStatus.RUNNING
         if was_running:
@@ -222,14 +210,18 @@ class Scheduler:
         if was_running and self.config.scheduling == "static" and self.running:
             self.held.append(seq)  # its batch is still running: it keeps its slot until the batch drains
             return
-        self.kv.release(seq)
+        self._release(seq)
         self._release_held_once_drained()
 
     def _release_held_once_drained(self) -> None:
         if not self.running:
             for seq in self.held:
-                self.kv.release(seq)
+                self._release(seq)
             self.held.clear()
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv.release(seq)
+        seq.num_computed_tokens = 0  # its K/V is gone; a preempted sequence is recomputed from its cached prefix
 
     # -- leading indicators ---------------------------------------------------------------------------------
 

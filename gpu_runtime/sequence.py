@@ -5,18 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.messages import TokenLogprob
+from gpu_runtime.ipc.sampling_params import SamplingParams
 
-from gpu_runtime.outputs import Logprob
-from gpu_runtime.sampling_params import SamplingParams
-
-
-class Priority(enum.IntEnum):
-    """Lower is more urgent: interactive requests are admitted first and preempted last."""
-
-    INTERACTIVE = 0
-    BATCH = 1
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -37,14 +33,18 @@ class Sequence:
     arrival_order: int = 0  # ties in arrival_time are broken by the order add_request saw them
     admission_order: int = 0  # when it last entered the running batch; the latest is preempted first
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[Logprob] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cache_salt: str = ""  # folded into the first page's hash: only requests with the same salt share pages
     page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
-    page_hashes: list[bytes] = field(default_factory=list)  # content hash of each full, computed page
-    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    # The chained content hash of each full page of its tokens, computed once as the page fills (prefix caching
+    # on); they depend on content alone, so they outlive preemption.
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0  # leading pages of the block table that are in the prefix cache
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache; written by the scheduler alone
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG, so a seed's tokens ignore batch-mates
 
@@ -74,17 +74,17 @@ class Sequence:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
-    def append_token(self, token_id: int, logprob: Logprob | None) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         self.finish_reason = self._finish_reason(token_id)
 
-    def _finish_reason(self, token_id: int) -> str | None:
+    def _finish_reason(self, token_id: int) -> FinishReason | None:
         if token_id in self.params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if not self.params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_runtime.ipc.sampling_params import SamplingParams  # noqa: E402
 from gpu_runtime.sampler import Sampler  # noqa: E402
-from gpu_runtime.sampling_params import SamplingParams  # noqa: E402
 from gpu_runtime.sequence import Sequence  # noqa: E402
 
 SETTINGS = {

@@ -200,8 +200,13 @@ def test_batch_work_gets_only_the_slots_interactive_work_left_spare_lately(limit
     async def scenario():
         async with grpc.aio.insecure_channel(limited.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            # Interactive work fills both slots, briefly; then the pool is idle again.
-            await asyncio.gather(*(_stream(stub, _request(350 + i, 5), "few") for i in range(2)))
+            # Interactive work fills both slots, briefly: seen running together, then cancelled (two short requests
+            # might not overlap at all on a loaded machine). Then the pool is idle again.
+            filling = [asyncio.create_task(_stream(stub, _request(350 + i, 300), "few")) for i in range(2)]
+            await asyncio.to_thread(limited.wait_for, lambda: limited.metric("tokend:num_requests_running") == 2, 30)
+            for task in filling:
+                task.cancel()
+            await asyncio.gather(*filling, return_exceptions=True)
             right_after = await _stream(stub, _request(352, 5), "a")  # may wait 0.5 s: the window is longer
             await asyncio.sleep(SPARE_WINDOW_S)
             later = await _stream(stub, _request(353, 5), "a")

@@ -125,5 +125,6 @@ def test_logprobs_of_greedy_tokens_are_the_most_likely(engine):
             logprobs.extend(out.new_logprobs or [])
     assert len(logprobs) == 5
     for lp in logprobs:
-        assert list(lp.top)[0] == lp.token_id and lp.logprob == pytest.approx(max(lp.top.values()))
+        top = dict(lp.top)
+        assert lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(max(top.values()))
         assert len(lp.top) == 3 and lp.logprob <= 0

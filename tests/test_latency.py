@@ -7,7 +7,8 @@ import random
 import pytest
 
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams
-from gpu_runtime.latency import LatencyPolicy, LatencyTargets, StepTimeModel
+from gpu_runtime.engine_config import SchedulerConfig
+from gpu_runtime.latency import LatencyPolicy, StepTimeModel
 
 
 def trained_model(a=0.004, b=0.0005, c=0.001, steps=200, noise=0.0) -> StepTimeModel:
@@ -28,20 +29,21 @@ def test_step_time_model_recovers_a_linear_cost():
 
 
 def test_token_budget_keeps_the_itl_target_and_always_advances_prefill():
-    policy = LatencyPolicy(LatencyTargets(itl_slo_ms=50), max_num_batched_tokens=4096, max_num_seqs=64, min_chunk=16)
+    config = SchedulerConfig(itl_slo_ms=50, max_num_batched_tokens=4096, max_num_seqs=64)
+    policy = LatencyPolicy(config, min_chunk=16)
     policy.model = trained_model()
     budget = policy.token_budget(num_seqs=10)
     assert policy.model.predict(budget, 10) <= 0.050 < policy.model.predict(budget + 2, 10)
     # A target no step can meet still leaves room for every decode plus one chunk of prefill.
-    strict = LatencyPolicy(LatencyTargets(itl_slo_ms=1), 4096, 64, min_chunk=16)
+    strict = LatencyPolicy(SchedulerConfig(itl_slo_ms=1, max_num_batched_tokens=4096, max_num_seqs=64), min_chunk=16)
     strict.model = policy.model
     assert strict.token_budget(num_seqs=10) == 10 + 16
 
 
 def test_batch_depth_is_held_to_the_ttft_target():
     model = trained_model()
-    loose = LatencyPolicy(LatencyTargets(ttft_slo_ms=10_000), 512, 64, 16)
-    tight = LatencyPolicy(LatencyTargets(ttft_slo_ms=600), 512, 64, 16)
+    loose = LatencyPolicy(SchedulerConfig(ttft_slo_ms=10_000, max_num_batched_tokens=512, max_num_seqs=64), 16)
+    tight = LatencyPolicy(SchedulerConfig(ttft_slo_ms=600, max_num_batched_tokens=512, max_num_seqs=64), 16)
     loose.model = tight.model = model
     assert loose.plan(num_running=0, next_prompt_tokens=1000).max_running == 64
     depth = tight.plan(num_running=0, next_prompt_tokens=1000).max_running
@@ -51,7 +53,8 @@ def test_batch_depth_is_held_to_the_ttft_target():
 
 
 def test_cold_model_applies_the_configured_maxima():
-    policy = LatencyPolicy(LatencyTargets(ttft_slo_ms=1, itl_slo_ms=1), 2048, 32, 16)
+    config = SchedulerConfig(ttft_slo_ms=1, itl_slo_ms=1, max_num_batched_tokens=2048, max_num_seqs=32)
+    policy = LatencyPolicy(config, min_chunk=16)
     plan = policy.plan(num_running=5, next_prompt_tokens=100)
     assert (plan.token_budget, plan.max_running) == (2048, 32)
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each writer logs as fast as it can, the way a scheduler and the frontend do under load.
 WRITER = """
 import sys
-from daemon.logs import configure_logging
+from common.logs import configure_logging
 log = configure_logging(sys.argv[1])
 for index in range(int(sys.argv[2])):
     log.info("request_admitted", request_id=f"{sys.argv[1]}-{index}", prompt_tokens=index)

@@ -1,14 +1,16 @@
 """PageAllocator + KVCacheManager with prefix caching, driven the way the scheduler and engine drive them.
 
 A hypothesis state machine admits requests whose prompts share prefixes (a tiny vocabulary, so pages
-repeat), computes them chunk by chunk, samples tokens, preempts and re-admits them, finishes them, and
-lets "raw holders" (other users of the allocator) allocate, share, free and import pages, forcing
-evictions. A reference model tracks every page's owners, its registered hash and the LRU order of cached
-free pages; after every step the pool must agree with it through its public API.
+repeat) from two cache groups (salts), computes them chunk by chunk, samples tokens, preempts and re-admits
+them, finishes them, and lets "raw holders" (other users of the allocator) allocate, share, free and import
+pages, forcing evictions. A reference model tracks every page's owners, its registered hash and the LRU order
+of cached free pages; after every step the pool must agree with it through its public API. The test plays the
+scheduler's part: it sets how much of a sequence is computed, as Scheduler does, and the manager may not.
 
 The K/V a page holds is simulated in a real (tiny, CPU) KVPool: slot s of a page holds a number naming
-the whole context the model saw up to that position, so serving stale or foreign content from the prefix
-cache shows up as a mismatch, whatever the bookkeeping claims.
+the whole context the model saw up to that position (and the cache group that computed it), so serving stale,
+foreign or another group's content from the prefix cache shows up as a mismatch, whatever the bookkeeping
+claims. Every page_hash call is counted: each sequence hashes each of its pages once in its life.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from page_pool_fixtures import SALT, PageContents, chain_hashes, make_seq
+from page_pool_fixtures import SALT, PageContents, chain_hashes, count_page_hashes, make_seq
 
 from gpu_runtime.kv_cache.manager import KVCacheManager, PrefixMatch
 from gpu_runtime.kv_cache.page_allocator import OutOfPagesError
@@ -33,6 +35,7 @@ NUM_RAW_HOLDERS = 3
 
 tokens_st = st.lists(st.integers(0, VOCAB - 1), max_size=6)
 prefix_st = st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=10)
+cache_salt_st = st.sampled_from(["", "", "tenant-b"])  # two cache groups, the default one more often
 HISTORY = 4  # the last few conversations a new request may continue
 
 
@@ -63,11 +66,17 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         self.page_of: dict[bytes, int] = {}
         self.lru: list[int] = []
         self.evictions = 0
-        self.hash_tokens: dict[bytes, tuple[int, ...]] = {}  # every hash seen -> the tokens it names
+        self.hash_tokens: dict[bytes, tuple[str, tuple[int, ...]]] = {}  # every hash seen -> (salt, tokens)
         self.duplicates: set[tuple[str, int]] = set()  # (request, page index) committed while cached elsewhere
         self.released_hashes: dict[str, list[bytes]] = {}  # preempted request -> the page hashes it had
         self.query_tokens = 0
         self.hit_tokens = 0
+        # Every sequence ever made, and the pages hashed for lookups by content (export, import): with the
+        # sequences' own hashes, all the page_hash calls there may be.
+        self.created: list[Sequence] = []
+        self.lookup_hashes = 0
+        self._patch = pytest.MonkeyPatch()
+        self.hash_calls = count_page_hashes(self._patch)
 
     # -- the reference model ----------------------------------------------------------------------------
 
@@ -96,7 +105,14 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             self.kv.num_prefix_query_tokens,
             self.kv.num_prefix_hit_tokens,
             [
-                (s.request_id, list(s.page_ids), list(s.page_hashes), s.num_computed_tokens, s.num_cached_tokens)
+                (
+                    s.request_id,
+                    list(s.page_ids),
+                    list(s.page_hashes),
+                    s.num_registered_pages,
+                    s.num_computed_tokens,
+                    s.num_cached_tokens,
+                )
                 for s in self._all_seqs()
             ],
             [list(r) for r in self.raw],
@@ -107,11 +123,25 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         bases = self.prefixes + self.history[-HISTORY:]
         return list(bases[index % len(bases)])
 
-    def chain_hashes(self, tokens: list[int], num_pages: int) -> list[bytes]:
-        hashes = chain_hashes(tokens, self.P, num_pages)
+    def chain_hashes(self, tokens: list[int], num_pages: int, cache_salt: str = "") -> list[bytes]:
+        hashes = chain_hashes(tokens, self.P, num_pages, cache_salt=cache_salt)
         for i, h in enumerate(hashes):
-            self.hash_tokens.setdefault(h, tuple(tokens[: (i + 1) * self.P]))
+            self.hash_tokens.setdefault(h, (cache_salt, tuple(tokens[: (i + 1) * self.P])))
         return hashes
+
+    def _new_seq(self, prompt: list[int], max_tokens: int, cache_salt: str) -> Sequence:
+        """A new request, its full pages hashed as Scheduler.add does."""
+        seq = make_seq(f"r{self.next_request}", prompt, max_tokens, cache_salt=cache_salt)
+        self.next_request += 1
+        self.kv.hash_new_pages(seq)
+        self.created.append(seq)
+        self.waiting.append(seq)
+        return seq
+
+    def _lookup_by_content(self, tokens: list[int]) -> PrefixMatch:
+        """The longest cached prefix of `tokens` (default cache group), as LLMEngine.export_prefix finds it."""
+        self.lookup_hashes += len(tokens) // self.P
+        return self.kv.lookup(self.kv.hasher.hash_tokens(tokens))
 
     def _model_allocated(self, pages: list[int], empties: set[int]) -> None:
         """`pages` came from allocate(len(pages)) when `empties` were the empty free pages."""
@@ -152,16 +182,16 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
 
     # -- checks shared by the rules ---------------------------------------------------------------------------
 
-    def _check_match(self, tokens: list[int], max_tokens: int | None, match: PrefixMatch) -> None:
+    def _check_match(self, tokens: list[int], max_tokens: int | None, match: PrefixMatch, cache_salt: str = "") -> None:
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
-        # First what matters most: every page served holds exactly the K/V of these tokens.
+        # First what matters most: every page served holds exactly the K/V of these tokens, from this cache group.
         for i, page in enumerate(match.page_ids):
-            assert self.content.read(page) == self.content.expected(tokens, i), (
+            assert self.content.read(page) == self.content.expected(tokens, i, cache_salt), (
                 f"find_cached_prefix serves page {page} for page {i} of {tokens}, but it holds other K/V"
             )
         pages, hashes = [], []
         if self.caching:
-            for h in self.chain_hashes(tokens, limit // self.P):
+            for h in self.chain_hashes(tokens, limit // self.P, cache_salt):
                 if h not in self.page_of:
                     break
                 pages.append(self.page_of[h])
@@ -170,11 +200,15 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         assert match.num_tokens(self.P) == len(pages) * self.P <= limit
 
     def _release(self, seq: Sequence) -> None:
+        """As the scheduler releases a finished or preempted sequence: the manager frees its pages and keeps its
+        hashes (they name content, not pages); the scheduler zeroes what it has computed."""
         refs = self._refs()
-        pages = list(seq.page_ids)
+        pages, hashes, computed = list(seq.page_ids), list(seq.page_hashes), seq.num_computed_tokens
         self.history.append(seq.prompt_token_ids + seq.output_token_ids)
         self.kv.release(seq)
-        assert seq.page_ids == [] and seq.page_hashes == [] and seq.num_computed_tokens == 0
+        assert (seq.page_ids, seq.num_registered_pages) == ([], 0)
+        assert seq.page_hashes == hashes and seq.num_computed_tokens == computed, "release touched the scheduler's part"
+        seq.num_computed_tokens = 0
         self._model_free(pages[::-1], refs)
         self.duplicates = {d for d in self.duplicates if d[0] != seq.request_id}
         if seq in self.running:
@@ -188,9 +222,9 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         tokens = seq.prompt_token_ids + seq.output_token_ids
         assert seq.token_ids_range(0, seq.num_tokens) == tokens
         before = self._snapshot()
-        match = self.kv.find_cached_prefix(tokens, seq.num_tokens - 1)
-        assert self._snapshot() == before, "find_cached_prefix changed the pool"
-        self._check_match(tokens, seq.num_tokens - 1, match)
+        match = self.kv.find_cached_prefix(seq)
+        assert self._snapshot() == before, "find_cached_prefix changed the pool or the sequence"
+        self._check_match(tokens, seq.num_tokens - 1, match, seq.cache_salt)
         if seq.request_id in self.released_hashes:
             still_cached = 0
             for h in self.released_hashes[seq.request_id]:
@@ -205,7 +239,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         else:
             n = data.draw(st.integers(matched, seq.num_tokens), label="admit num_tokens")
         revived = [p for p in match.page_ids if p in self.lru]
-        fresh = self.kv.pages_for(n) - len(match.page_ids)
+        fresh = self.kv.num_pages_for(n) - len(match.page_ids)
         expect = fresh + len(revived) <= self.allocator.num_free_pages
         empties = self._empties()
         ok = self.kv.try_admit(seq, match, n)
@@ -217,11 +251,12 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             self._model_share(page)
         self._model_allocated(seq.page_ids[len(match.page_ids) :], empties)
         assert seq.page_ids[: len(match.page_ids)] == match.page_ids
-        assert len(seq.page_ids) == max(self.kv.pages_for(n), len(match.page_ids))
-        assert seq.page_hashes == match.hashes
-        assert seq.num_computed_tokens == matched
+        assert len(seq.page_ids) == max(self.kv.num_pages_for(n), len(match.page_ids))
+        assert seq.page_hashes[: len(match.hashes)] == match.hashes and seq.num_registered_pages == len(match.hashes)
+        assert seq.num_computed_tokens == 0, "try_admit set the scheduler's count"
+        seq.num_computed_tokens = matched  # as the scheduler does at admission
         if seq.num_preemptions == 0:
-            assert seq.num_cached_tokens == matched
+            seq.num_cached_tokens = matched
             if self.caching:
                 self.query_tokens += seq.num_tokens
                 self.hit_tokens += matched
@@ -231,16 +266,20 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         return True
 
     def _commit(self, seq: Sequence) -> None:
+        """What Scheduler.update_after_step does once a step computed `seq`'s tokens: hash the pages that
+        filled, register the computed ones."""
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        have = len(seq.page_hashes)
+        have = seq.num_registered_pages
         num_full = seq.num_computed_tokens // self.P
-        chain = self.chain_hashes(tokens, num_full)
+        chain = self.chain_hashes(tokens, seq.num_tokens // self.P, seq.cache_salt)
         before = self._snapshot()
+        self.kv.hash_new_pages(seq)
         self.kv.commit_full_pages(seq)
         if not self.caching:
-            assert self._snapshot() == before, "commit_full_pages registered pages with caching off"
+            assert self._snapshot() == before, "hashed or registered pages with caching off"
             return
-        assert seq.page_hashes == chain, "commit_full_pages: hashes are not the chain of the computed pages"
+        assert seq.page_hashes == chain, "hash_new_pages: hashes are not the chain of the sequence's full pages"
+        assert seq.num_registered_pages == num_full, "commit_full_pages did not register every computed page"
         for i in range(have, num_full):
             page = seq.page_ids[i]
             assert page not in self.hash_of, f"page {page} was committed while it already held other content"
@@ -269,23 +308,20 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
     # -- rules: the scheduler and engine --------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.running) + len(self.waiting) < MAX_SEQS)
-    @rule(base=st.integers(0, 7), suffix=tokens_st, max_tokens=st.integers(1, 6), data=st.data())
-    def new_request(self, base: int, suffix: list[int], max_tokens: int, data) -> None:
+    @rule(
+        base=st.integers(0, 7), suffix=tokens_st, max_tokens=st.integers(1, 6), cache_salt=cache_salt_st, data=st.data()
+    )
+    def new_request(self, base: int, suffix: list[int], max_tokens: int, cache_salt: str, data) -> None:
         prompt = (self._base(base) + suffix) or [0]
-        seq = make_seq(f"r{self.next_request}", prompt, max_tokens)
-        self.next_request += 1
-        self.waiting.append(seq)
-        self._admit(seq, data)
+        self._admit(self._new_seq(prompt, max_tokens, cache_salt), data)
 
     @precondition(lambda self: len(self.running) + len(self.waiting) + 1 < MAX_SEQS)
-    @rule(base=st.integers(0, 7), suffixes=st.lists(tokens_st, min_size=2, max_size=2))
-    def burst_of_requests(self, base: int, suffixes: list[list[int]]) -> None:
+    @rule(base=st.integers(0, 7), suffixes=st.lists(tokens_st, min_size=2, max_size=2), cache_salt=cache_salt_st)
+    def burst_of_requests(self, base: int, suffixes: list[list[int]], cache_salt: str) -> None:
         """Two requests sharing a prefix queue up; the next engine step admits both, so both compute the
         same pages at once (the second copy of each page stays unregistered)."""
         for suffix in suffixes:
-            prompt = (self._base(base) + suffix) or [0]
-            self.waiting.append(make_seq(f"r{self.next_request}", prompt, max_tokens=4))
-            self.next_request += 1
+            self._new_seq((self._base(base) + suffix) or [0], 4, cache_salt)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -301,7 +337,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         assert 1 <= k <= seq.num_uncomputed_tokens
         start, target = seq.num_computed_tokens, seq.num_computed_tokens + k
         old = list(seq.page_ids)
-        missing = self.kv.pages_for(target) - len(old)
+        missing = self.kv.num_pages_for(target) - len(old)
         expect = missing <= self.allocator.num_free_pages
         before, empties = self._snapshot(), self._empties()
         ok = self.kv.try_reserve(seq, target)
@@ -323,9 +359,9 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             assert not any(page in s.page_ids for s in self.running if s is not seq), (
                 f"{seq.request_id} writes into page {page}, which another sequence holds"
             )
-            self.content.write_context(page, pos % self.P, tokens[: pos + 1])
-        seq.num_computed_tokens = target
-        self._commit(seq)  # as the engine does: commit, then append the sampled token
+            self.content.write_context(page, pos % self.P, tokens[: pos + 1], seq.cache_salt)
+        seq.num_computed_tokens = target  # as Scheduler.update_after_step does
+        self._commit(seq)  # as the engine does: update after the step, then append the sampled token
         if target == seq.num_tokens:  # the prompt (or last token) is done: the step samples a token
             seq.append_token(sampled, None)
             if seq.finish_reason is not None:
@@ -333,11 +369,14 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        hashes = list(seq.page_hashes)
+        computed_pages = list(seq.page_hashes[: seq.num_computed_tokens // self.P])
         self._release(seq)
         seq.num_preemptions += 1  # as the scheduler does: a recompute does not count its prompt again
+        hashes = list(seq.page_hashes)
+        self.kv.hash_new_pages(seq)  # requeued by Scheduler.add: only pages its last sampled token filled are new
+        assert seq.page_hashes[: len(hashes)] == hashes, "preemption changed the sequence's page hashes"
         self.waiting.append(seq)
-        self.released_hashes[seq.request_id] = hashes
+        self.released_hashes[seq.request_id] = computed_pages
 
     @rule()
     def engine_step(self) -> None:
@@ -476,7 +515,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         """Another worker's computed pages arrive (transfer.import_pages): they end up free and cached."""
         tokens = self._base(base) + suffix
         num_full = len(tokens) // self.P
-        chain = self.chain_hashes(tokens, num_full)
+        chain = self.chain_hashes(tokens, num_full)  # the default cache group's, as export_prefix hashes
         ids = [self.content.expected(tokens, i) for i in range(num_full)]
         keys = torch.tensor(ids, dtype=torch.float64).reshape(1, num_full, self.P, 1, 1)
         export = PageExport(self.P, chain, keys, -keys)
@@ -505,13 +544,13 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
         for i, page in enumerate(chain_pages):
             assert self.content.read(page) == ids[i], f"imported page {i} (page {page}) holds other K/V"
         if self.caching:
-            assert self.kv.find_cached_prefix(tokens).page_ids == chain_pages, "the imported prefix is not found"
+            assert self._lookup_by_content(tokens).page_ids == chain_pages, "the imported prefix is not found"
 
     @rule(base=st.integers(0, 7), suffix=tokens_st)
     def export_prefix(self, base: int, suffix: list[int]) -> None:
         tokens = self._base(base) + suffix
         before = self._snapshot()
-        match = self.kv.find_cached_prefix(tokens)
+        match = self._lookup_by_content(tokens)
         self._check_match(tokens, None, match)
         export = export_pages(self.kv, self.content.pool, match)
         assert self._snapshot() == before, "exporting changed the pool"
@@ -549,6 +588,7 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "kv"):
+            self._patch.undo()
             self._drain_and_check()
 
     # -- invariants --------------------------------------------------------------------------------------------
@@ -594,33 +634,49 @@ class PrefixCachePoolMachine(RuleBasedStateMachine):
             if content_hash is None:
                 continue
             assert content_hash in self.hash_tokens, f"page {page} is registered under a hash nobody computed"
-            tokens = self.hash_tokens[content_hash]
-            expected = self.content.expected(tokens, len(tokens) // self.P - 1)
+            cache_salt, tokens = self.hash_tokens[content_hash]
+            expected = self.content.expected(tokens, len(tokens) // self.P - 1, cache_salt)
             assert self.content.read(page) == expected, f"cached page {page} lost the content its hash names"
+
+    @invariant()
+    def each_page_is_hashed_once(self) -> None:
+        """A sequence hashes a page when it fills and never again: not while it waits, nor when it is
+        re-admitted after preemption. Hashes only grow, so every call made is one of these."""
+        assert self.hash_calls[0] == sum(len(s.page_hashes) for s in self.created) + self.lookup_hashes
 
     @invariant()
     def sequences_are_consistent(self) -> None:
         for seq in self.waiting:
-            assert (seq.page_ids, seq.page_hashes, seq.num_computed_tokens) == ([], [], 0)
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            assert (seq.page_ids, seq.num_registered_pages, seq.num_computed_tokens) == ([], 0, 0)
+            # Every full page is hashed while it waits, so admission only looks hashes up.
+            num_hashed = seq.num_tokens // self.P if self.caching else 0
+            assert seq.page_hashes == chain_hashes(tokens, self.P, num_hashed, cache_salt=seq.cache_salt)
         for seq in self.running:
             tokens = seq.prompt_token_ids + seq.output_token_ids
             computed = seq.num_computed_tokens
             assert 0 <= computed < seq.num_tokens
             assert len(set(seq.page_ids)) == len(seq.page_ids)
-            assert len(seq.page_ids) >= self.kv.pages_for(computed)
-            assert len(seq.page_hashes) == (computed // self.P if self.caching else 0)
-            assert seq.page_hashes == chain_hashes(tokens, self.P, len(seq.page_hashes))
-            for i, h in enumerate(seq.page_hashes):
+            assert len(seq.page_ids) >= self.kv.num_pages_for(computed)
+            # Hashed up to the tokens it had when last computed (the token sampled since may fill a page).
+            if self.caching:
+                assert (seq.num_tokens - 1) // self.P <= len(seq.page_hashes) <= seq.num_tokens // self.P
+            else:
+                assert seq.page_hashes == []
+            assert seq.page_hashes == chain_hashes(tokens, self.P, len(seq.page_hashes), cache_salt=seq.cache_salt)
+            assert seq.num_registered_pages == (computed // self.P if self.caching else 0)
+            for i, h in enumerate(seq.page_hashes[: seq.num_registered_pages]):
                 page = seq.page_ids[i]
                 if (seq.request_id, i) in self.duplicates:
                     assert self.allocator.lookup(h) != page and self.allocator.hash_of(page) is None
                 else:
                     assert self.allocator.lookup(h) == page, f"{seq.request_id}'s page {i} is not found by its hash"
             # Everything the sequence computed is still in its pages: nobody wrote over them.
-            for i in range(self.kv.pages_for(computed)):
+            for i in range(self.kv.num_pages_for(computed)):
                 filled = min(self.P, computed - i * self.P)
                 got = self.content.read(seq.page_ids[i])[:filled]
-                assert got == self.content.expected(tokens, i)[:filled], f"{seq.request_id}'s page {i} overwritten"
+                expected = self.content.expected(tokens, i, seq.cache_salt)[:filled]
+                assert got == expected, f"{seq.request_id}'s page {i} overwritten"
 
 
 PrefixCachePoolMachine.TestCase.settings = settings(

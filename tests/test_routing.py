@@ -11,8 +11,8 @@ from frontend.admission import AdmissionController
 from frontend.metrics import FrontendMetrics
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import AdmissionSpec, FrontendSpec, SchedulerAddress
+from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import LoadReport, SchedulerReady
-from gpu_runtime.sequence import Priority
 
 MODEL = "llama"
 

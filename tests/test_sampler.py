@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.sampler import Sampler
-from gpu_runtime.sampling_params import SamplingParams
 from gpu_runtime.sequence import Sequence
 
 VOCAB = 32
@@ -254,14 +254,15 @@ def test_logprobs_2_returns_raw_logprob_and_top_2():
         assert lp.token_id == tokens[0]
         # The raw model distribution: no temperature, no filtering applied to the reported value.
         assert lp.logprob == pytest.approx(raw[tokens[0]].item(), abs=1e-6)
-        assert list(lp.top) == [1, 2], "top-2 ids, most likely first"
-        assert lp.top[1] == pytest.approx(raw[1].item(), abs=1e-6)
-        assert lp.top[2] == pytest.approx(raw[2].item(), abs=1e-6)
-        assert math.exp(lp.top[1]) + math.exp(lp.top[2]) < 1
+        top = dict(lp.top)
+        assert [token for token, _ in lp.top] == [1, 2], "top-2 ids, most likely first"
+        assert top[1] == pytest.approx(raw[1].item(), abs=1e-6)
+        assert top[2] == pytest.approx(raw[2].item(), abs=1e-6)
+        assert math.exp(top[1]) + math.exp(top[2]) < 1
 
 
 def test_logprobs_for_a_sampled_token_outside_the_top_n():
-    """A drawn token that is not among the top 2 still gets its own logprob; the top dict stays top-2."""
+    """A drawn token that is not among the top 2 still gets its own logprob; the top list stays top-2."""
     logits = torch.zeros(1, VOCAB)
     logits[0, 0], logits[0, 1] = 0.2, 0.1
     raw = logits.log_softmax(-1)[0]
@@ -270,8 +271,8 @@ def test_logprobs_for_a_sampled_token_outside_the_top_n():
     for _ in range(20):
         tokens, (lp,) = sample(logits, [seq(SamplingParams(logprobs=2))])
         assert lp.logprob == pytest.approx(raw[tokens[0]].item(), abs=1e-6)
-        assert list(lp.top) == [0, 1]
-        seen_outside |= tokens[0] not in lp.top
+        assert [token for token, _ in lp.top] == [0, 1]
+        seen_outside |= tokens[0] not in dict(lp.top)
     assert seen_outside
 
 
@@ -286,11 +287,11 @@ def test_logprobs_per_row_none_zero_and_n():
     tokens, logprobs = sample(logits, seqs)
     assert tokens == [4, 7, 9]
     assert logprobs[0] is None
-    assert logprobs[1].token_id == 7 and logprobs[1].top == {}
+    assert logprobs[1].token_id == 7 and logprobs[1].top == []
     assert logprobs[1].logprob == pytest.approx(raw[1, 7].item(), abs=1e-6)
     top_values, top_ids = raw[2].topk(3)
-    assert list(logprobs[2].top) == top_ids.tolist()
-    assert list(logprobs[2].top.values()) == pytest.approx(top_values.tolist(), abs=1e-6)
+    assert [token for token, _ in logprobs[2].top] == top_ids.tolist()
+    assert [value for _, value in logprobs[2].top] == pytest.approx(top_values.tolist(), abs=1e-6)
     assert logprobs[2].logprob == pytest.approx(raw[2, 9].item(), abs=1e-6)
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from daemon.cli import build_parser
 from daemon.config import ServeConfig, load_serve_config
+from frontend.spec import AdmissionSpec
+from gpu_runtime.engine_config import EngineConfig
 
 
 def _load(*argv: str) -> ServeConfig:
@@ -17,21 +19,21 @@ def _load(*argv: str) -> ServeConfig:
 def test_defaults_work_on_a_laptop():
     config = _load()
     assert (config.grpc_port, config.metrics_port, config.model, config.devices) == (50051, 9401, (), ["auto"])
-    assert config.engine_options() == {
-        "dtype": "auto",
-        "max_num_seqs": 64,
-        "max_num_batched_tokens": 4096,
-        "scheduling": "continuous",
-    }
+    # The engine's defaults are EngineConfig's own, its identity left for each scheduler to fill in.
+    assert config.engine == EngineConfig()
+    assert (config.engine.model, config.engine.served_model_name, config.engine.device) == (None, None, "auto")
+    assert config.admission == AdmissionSpec()
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     config_file = tmp_path / "tokend.toml"
-    config_file.write_text('grpc_port = 6000\nmax_num_seqs = 8\nkv_cache_bytes = 1048576\ndevice = "cpu,cpu"\n')
-    config = _load("--config", str(config_file), "--max-num-seqs", "16")
-    assert (config.grpc_port, config.max_num_seqs, config.kv_cache_bytes) == (6000, 16, 1048576)
+    config_file.write_text(
+        'grpc_port = 6000\nmax_num_seqs = 8\nkv_cache_bytes = 1048576\ndevice = "cpu,cpu"\nmax_queued_requests = 9\n'
+    )
+    config = _load("--config", str(config_file), "--max-num-seqs", "16", "--batch-ttft-target", "5")
+    assert (config.grpc_port, config.engine.max_num_seqs, config.engine.kv_cache_bytes) == (6000, 16, 1048576)
+    assert (config.admission.max_queued_requests, config.admission.batch_ttft_target) == (9, 5.0)
     assert config.devices == ["cpu", "cpu"]
-    assert config.engine_options()["kv_cache_bytes"] == 1048576
 
 
 def test_model_may_be_one_path_or_a_list_in_the_file(tmp_path, llama_dir):
@@ -55,6 +57,15 @@ def test_model_may_be_one_path_or_a_list_in_the_file(tmp_path, llama_dir):
         ("grpc_port = true", "grpc_port"),
         ("no_such_option = 1", "no_such_option"),
         ("max_num_seqs = ", "config"),
+        ("max_num_seqs = 64\nmax_num_batched_tokens = 8", "max_num_batched_tokens"),
+        ("page_size = 12", "page_size"),
+        ("gpu_memory_utilization = 1.5", "gpu_memory_utilization"),
+        ('enable_prefix_caching = "no"', "enable_prefix_caching"),
+        ("ttft_slo_ms = -1", "ttft_slo_ms"),
+        ('attention_backend = "flash"', "attention_backend"),
+        ("max_queued_requests = 0", "max_queued_requests"),
+        ("batch_max_queue_wait = -1.0", "batch_max_queue_wait"),
+        ("debug_checks = true", "debug_checks"),
     ],
 )
 def test_a_bad_key_is_named(tmp_path, toml, key):

@@ -1,4 +1,5 @@
-"""The scheduler's sockets take only typed messages (never pickle), and nothing listens beyond loopback."""
+"""The scheduler's sockets take only typed messages (never pickle), nothing listens beyond loopback, and only the
+scheduler processes load torch."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 import zmq
 from daemon_harness import Daemon
 
+from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import (
     AbortRequests,
     AddRequest,
-    Sampling,
+    RequestDelta,
     StepOutputs,
     frontend_codec,
     scheduler_codec,
 )
+from gpu_runtime.ipc.sampling_params import SamplingParams
 
 
 class _Exploit:
@@ -72,12 +75,41 @@ def test_the_runtime_directory_is_private_and_only_loopback_ports_listen(daemon)
 
 def test_messages_round_trip_and_anything_else_is_refused():
     codec = scheduler_codec()
-    message = AddRequest("r1", [1, 2, 3], Sampling(max_tokens=4, seed=9, stop_token_ids=[5]), priority=1)
-    assert codec.decode(codec.encode(message)) == message
+    params = SamplingParams(max_tokens=4, seed=9, stop_token_ids=[5])
+    message = AddRequest("r1", [1, 2, 3], params, priority=Priority.BATCH)
+    decoded = codec.decode(codec.encode(message))
+    assert decoded == message and decoded.priority is Priority.BATCH and decoded.sampling.stop_token_ids == (5,)
     assert codec.decode(codec.encode(AbortRequests(["a", "b"]))) == AbortRequests(["a", "b"])
     for bad in [pickle.dumps(message), codec.encode(message)[:-1], frontend_codec().encode(StepOutputs("w", "i", []))]:
         with pytest.raises(msgspec.DecodeError):
             codec.decode(bad)
+    delta = RequestDelta("r1", [7], None, FinishReason.LENGTH, 3, 4, 0)
+    received = frontend_codec().decode(frontend_codec().encode(StepOutputs("w", "i", [delta]))).deltas[0]
+    assert received == delta and received.finish_reason is FinishReason.LENGTH and received.finished
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("sampling", {"temperature": -1}), ("sampling", {"top_p": 0}), ("priority", 7)]
+)
+def test_sampling_params_and_priority_are_validated_as_they_are_decoded(field, value):
+    """The scheduler decodes SamplingParams itself, not a copy: a forged message with a bad value never reaches it."""
+    wire = {"type": "add", "request_id": "r1", "prompt_token_ids": [1], "sampling": {}, "priority": 0, field: value}
+    with pytest.raises(msgspec.ValidationError):
+        scheduler_codec().decode(msgspec.msgpack.encode(wire))
+
+
+def test_only_scheduler_processes_map_libtorch(daemon):
+    """The frontend and the gateway never load torch (DESIGN.md): each would hold ~1 GB for nothing."""
+    schedulers = daemon.child_pids("tokend: scheduler")
+    assert schedulers and all(_maps_libtorch(pid) for pid in schedulers), "the check sees torch where it is"
+    for title in ("tokend: frontend", "tokend: gateway", "tokend: serve"):
+        pids = daemon.child_pids(title)
+        assert pids, f"no {title} process"
+        assert not any(_maps_libtorch(pid) for pid in pids), f"{title} has libtorch mapped"
+
+
+def _maps_libtorch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _listening_tcp(pids: list[int]) -> list[tuple[str, int]]:

@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from daemon.logs import configure_logging
+from common.logs import configure_logging
 from frontend.gateway.app import build_app
 from frontend.gateway.spec import GatewaySpec
 
@@ -34,7 +34,7 @@ def run_gateway(spec: GatewaySpec) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from daemon.child_process import become_child
+    from common.child_process import become_child
 
     spec = GatewaySpec.from_json(argv[1])
     become_child("tokend: gateway")

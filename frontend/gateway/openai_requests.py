@@ -89,7 +89,7 @@ def completion_to_grpc(request: CompletionRequest, max_n: int) -> list[pb.Genera
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
         raise bad_request("prompt: a string, or a list of token ids; send one request per prompt", "prompt")
-    sampling = _sampling(request, request.max_tokens if request.max_tokens is not None else 16, request.logprobs)
+    sampling = _sampling(request, request.max_tokens, request.logprobs)  # unset: the API default (16, as OpenAI)
     base = pb.GenerateRequest(model=request.model, sampling=sampling)
     if isinstance(prompt, str):
         base.prompt = prompt

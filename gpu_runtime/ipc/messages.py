@@ -8,31 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from gpu_runtime.sampling_params import SamplingParams
-
-
-class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """SamplingParams on the wire (stop strings stay in the frontend, which owns the text)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> Sampling:
-        fields = {name: getattr(params, name) for name in cls.__struct_fields__}
-        return cls(**{**fields, "stop_token_ids": list(params.stop_token_ids)})
-
-    def to_params(self) -> SamplingParams:
-        """Validated on the way: ValueError names the field."""
-        return SamplingParams(**msgspec.structs.asdict(self))
-
+from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.sampling_params import SamplingParams
 
 # -- frontend -> scheduler --------------------------------------------------------------------------------
 
@@ -40,8 +17,10 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: Sampling
-    priority: int  # gpu_runtime.sequence.Priority: 0 interactive, 1 batch
+    sampling: SamplingParams  # validated again as it is decoded
+    priority: Priority
+    # Folded into the hash of the prompt's first page: requests with different salts never share cached pages.
+    cache_salt: str = ""
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
@@ -62,22 +41,31 @@ ToScheduler = AddRequest | AbortRequests | FrontendHello
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """The log-probability of one sampled token under the model, and optionally the top candidates."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
-    """One request's progress in one step. Counts are authoritative and cumulative; finish_reason ends it."""
+    """One request's progress in one engine step, as the engine emits it and the frontend reads it.
+
+    Counts are authoritative and cumulative; a finish_reason ends the request.
+    """
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None  # with finish_reason "error": why the scheduler refused the request
+    num_cached_tokens: int  # prompt tokens served from the prefix cache instead of computed
+    error: str | None = None  # with FinishReason.ERROR: why the scheduler refused the request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag="step"):

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass
 
 from gpu_runtime.kv_cache.page_allocator import PageAllocator
+from gpu_runtime.kv_cache.page_hashes import PageHasher
 from gpu_runtime.sequence import Sequence
-
-
-def page_hash(parent: bytes, token_ids: list[int], salt: bytes) -> bytes:
-    """The content hash of one full page: its tokens, everything before them (via `parent`), and the model.
-
-    SHA-256 makes an accidental collision (which would serve another prompt's K/V) negligible, so a hit
-    needs no token-by-token verification.
-    """
-    digest = hashlib.sha256(parent)
-    digest.update(salt)
-    digest.update(array("I", token_ids).tobytes())
-    return digest.digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,16 +23,18 @@ class PrefixMatch:
 class KVCacheManager:
     """The scheduler's view of the page pool; the K/V tensors themselves live in KVPool.
 
-    With prefix caching on, every full page a sequence computes is registered under its chained content
-    hash; a new sequence starts from the longest registered prefix of its tokens instead of recomputing it,
-    and pages freed by finished sequences keep their content until an allocation needs them.
+    With prefix caching on, each sequence's page hashes are computed once, as its pages fill (hash_new_pages);
+    every full page it computes is registered under its hash, a new sequence starts from the longest
+    registered prefix of its tokens instead of recomputing it, and pages freed by finished sequences keep
+    their content until an allocation needs them. The manager writes a sequence's block table (page_ids,
+    num_registered_pages); how many of its tokens are computed is the scheduler's to say.
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, salt: bytes = b""):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.enable_prefix_caching = enable_prefix_caching
-        self.salt = salt
+        self.hasher = PageHasher(page_size, salt)
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of which found cached
 
@@ -61,53 +50,61 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.allocator.num_used_pages
 
-    def pages_for(self, num_tokens: int) -> int:
+    def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def fits_pool(self, num_tokens: int) -> bool:
         """Whether a sequence this long could ever be held, with the whole pool to itself."""
-        return self.pages_for(num_tokens) <= self.allocator.num_pages
+        return self.num_pages_for(num_tokens) <= self.allocator.num_pages
+
+    # -- hashing --------------------------------------------------------------------------------------
+
+    def hash_new_pages(self, seq: Sequence) -> None:
+        """Hashes the pages of `seq` that filled since the last call (each page once in the sequence's life)."""
+        if not self.enable_prefix_caching:
+            return
+        first_unhashed = len(seq.page_hashes) * self.page_size
+        if seq.num_tokens - first_unhashed >= self.page_size:
+            window = seq.token_ids_range(first_unhashed, seq.num_tokens)
+            self.hasher.extend(seq.page_hashes, window, seq.cache_salt)
 
     # -- admission ------------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: list[int], max_tokens: int | None = None) -> PrefixMatch:
-        """The cached pages holding the longest prefix of `token_ids` (at most `max_tokens`); changes nothing."""
+    def find_cached_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The cached pages holding the longest prefix of `seq` that leaves at least one token to compute (the
+        step that computes it yields the next token's logits); changes nothing."""
+        return self.lookup(seq.page_hashes[: (seq.num_tokens - 1) // self.page_size])
+
+    def lookup(self, hashes: list[bytes]) -> PrefixMatch:
+        """The cached pages of the longest leading run of `hashes`; changes nothing."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], [])
-        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        pages, hashes, parent = [], [], b""
-        for index in range(limit // self.page_size):
-            start = index * self.page_size
-            content_hash = page_hash(parent, token_ids[start : start + self.page_size], self.salt)
+        pages = []
+        for content_hash in hashes:
             page = self.allocator.lookup(content_hash)
             if page is None:
                 break
             pages.append(page)
-            hashes.append(content_hash)
-            parent = content_hash
-        return PrefixMatch(pages, hashes)
+        return PrefixMatch(pages, hashes[: len(pages)])
 
     def try_admit(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> bool:
         """Gives `seq` its cached prefix plus fresh pages up to `num_tokens`; False (and no change) if short."""
         revived = sum(1 for page in match.page_ids if self.allocator.is_evictable(page))
-        fresh = self.pages_for(num_tokens) - len(match.page_ids)
+        fresh = self.num_pages_for(num_tokens) - len(match.page_ids)
         if fresh + revived > self.allocator.num_free_pages:
             return False
         for page in match.page_ids:  # share first, so the allocation below cannot evict them
             self.allocator.share(page)
         seq.page_ids = match.page_ids + self.allocator.allocate(max(fresh, 0))
-        seq.page_hashes = list(match.hashes)
-        seq.num_computed_tokens = match.num_tokens(self.page_size)
-        if seq.num_preemptions == 0:  # count each prompt once, not again on recompute
-            seq.num_cached_tokens = seq.num_computed_tokens
-            if self.enable_prefix_caching:
-                self.num_prefix_query_tokens += seq.num_tokens
-                self.num_prefix_hit_tokens += seq.num_computed_tokens
+        seq.num_registered_pages = len(match.page_ids)
+        if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
+            self.num_prefix_query_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += match.num_tokens(self.page_size)
         return True
 
     def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows `seq`'s block table to cover `num_tokens` tokens; False (and no change) if pages lack."""
-        missing = self.pages_for(num_tokens) - len(seq.page_ids)
+        missing = self.num_pages_for(num_tokens) - len(seq.page_ids)
         if missing <= 0:
             return True
         if not self.allocator.can_allocate(missing):
@@ -121,20 +118,16 @@ class KVCacheManager:
         """Registers every page `seq` has filled with computed tokens since the last call."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.page_size
-        parent = seq.page_hashes[-1] if seq.page_hashes else b""
-        for index in range(len(seq.page_hashes), num_full):
-            start = index * self.page_size
-            parent = page_hash(parent, seq.token_ids_range(start, start + self.page_size), self.salt)
-            seq.page_hashes.append(parent)
-            self.allocator.register(seq.page_ids[index], parent)
+        num_full = min(seq.num_computed_tokens // self.page_size, len(seq.page_hashes))
+        for index in range(seq.num_registered_pages, num_full):
+            self.allocator.register(seq.page_ids[index], seq.page_hashes[index])
+        seq.num_registered_pages = max(seq.num_registered_pages, num_full)
 
     def release(self, seq: Sequence) -> None:
         """Returns every page of `seq`. Freed last page first, so a prefix's head stays cached longest."""
         self.allocator.free(seq.page_ids[::-1])
         seq.page_ids = []
-        seq.page_hashes = []
-        seq.num_computed_tokens = 0
+        seq.num_registered_pages = 0
 
     # -- checks -----------------------------------------------------------------------------------------
 
@@ -142,5 +135,6 @@ class KVCacheManager:
         """Every page is free, cached or owned, and reference counts equal the owners (AssertionError if not)."""
         self.allocator.check_integrity([seq.page_ids for seq in sequences])
         for seq in sequences:
-            assert len(seq.page_hashes) <= len(seq.page_ids), f"{seq.request_id} has hashes for pages it lacks"
-            assert len(seq.page_ids) >= self.pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"
+            assert seq.num_registered_pages <= len(seq.page_ids), f"{seq.request_id} registered pages it lacks"
+            assert len(seq.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"
+            assert len(seq.page_hashes) <= seq.num_tokens // self.page_size, f"{seq.request_id} hashed a partial page"

@@ -9,21 +9,20 @@ from pathlib import Path
 
 import zmq
 
-from daemon.child_process import become_child
-from daemon.exit_codes import EXIT_CONFIG_ERROR
-from daemon.logs import configure_logging
+from common.child_process import become_child
+from common.exit_codes import EXIT_CONFIG_ERROR
+from common.logs import configure_logging
 from gpu_runtime.worker.spec import WorkerSpec
 
 
 def main(argv: list[str]) -> int:
     spec = WorkerSpec.from_json(argv[1])
-    become_child(f"tokend: scheduler {spec.model_name} {spec.group}")
+    become_child(f"tokend: scheduler {spec.engine.served_model_name} {spec.group}")
     log = configure_logging("scheduler", spec.log_level).bind(worker=spec.worker_id)
 
     import torch  # loads here, after the title is set
 
     from gpu_runtime.engine import LLMEngine
-    from gpu_runtime.engine_config import EngineConfig
     from gpu_runtime.worker.io_threads import InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
     from gpu_runtime.worker.warm_up import warm_up
@@ -31,10 +30,7 @@ def main(argv: list[str]) -> int:
     if spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
     try:
-        config = EngineConfig(
-            model=spec.model_path, served_model_name=spec.model_name, device=spec.device, **spec.engine_options
-        )
-        engine = LLMEngine(config)
+        engine = LLMEngine(spec.engine)
     except (ValueError, TypeError, OSError) as error:
         log.error("engine_failed_to_start", error=str(error))
         return EXIT_CONFIG_ERROR

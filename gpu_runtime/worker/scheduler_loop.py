@@ -9,6 +9,7 @@ import time
 import uuid
 
 from gpu_runtime.engine import LLMEngine
+from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -17,11 +18,8 @@ from gpu_runtime.ipc.messages import (
     RequestDelta,
     SchedulerReady,
     StepOutputs,
-    TokenLogprob,
     ToScheduler,
 )
-from gpu_runtime.outputs import StepOutput
-from gpu_runtime.sequence import Priority
 from gpu_runtime.worker.io_threads import OutputWriter
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -49,7 +47,7 @@ class SchedulerLoop:
             busy = self.engine.has_unfinished_requests()
             self._drain_inputs(wait_seconds=0.0 if busy else self.spec.load_report_interval_s)
             if self.engine.has_unfinished_requests():
-                deltas = [self._delta(output) for output in self.engine.step()]
+                deltas = self.engine.step()
                 if deltas:
                     self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
             self._report_when_due()
@@ -77,7 +75,7 @@ class SchedulerLoop:
             return self._add(message)
         if isinstance(message, AbortRequests):
             aborted = [self.engine.abort_request(request_id) for request_id in message.request_ids]
-            deltas = [self._delta(output) for output in aborted if output is not None]
+            deltas = [delta for delta in aborted if delta is not None]
             for delta in deltas:
                 self._log.info(
                     "request_aborted", request_id=delta.request_id, completion_tokens=delta.num_output_tokens
@@ -89,13 +87,13 @@ class SchedulerLoop:
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
         try:
-            params = message.sampling.to_params()
-            self.engine.add_request(message.request_id, message.prompt_token_ids, params, Priority(message.priority))
+            self.engine.add_request(
+                message.request_id, message.prompt_token_ids, message.sampling, message.priority, message.cache_salt
+            )
         except ValueError as error:  # the frontend validates first; this is the backstop
             self._log.warning("request_refused", request_id=message.request_id, error=str(error))
-            return [
-                RequestDelta(message.request_id, [], None, "error", len(message.prompt_token_ids), 0, 0, str(error))
-            ]
+            num_prompt = len(message.prompt_token_ids)
+            return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, str(error))]
         return []
 
     def _greet(self, frontend_id: str) -> None:
@@ -109,20 +107,6 @@ class SchedulerLoop:
         self._outbox.send(self._ready())
 
     # -- outputs --------------------------------------------------------------------------------------------
-
-    def _delta(self, output: StepOutput) -> RequestDelta:
-        logprobs = None
-        if output.new_logprobs is not None:
-            logprobs = [TokenLogprob(lp.token_id, lp.logprob, list(lp.top.items())) for lp in output.new_logprobs]
-        return RequestDelta(
-            request_id=output.request_id,
-            new_token_ids=output.new_token_ids,
-            new_logprobs=logprobs,
-            finish_reason=output.finish_reason,
-            num_prompt_tokens=output.num_prompt_tokens,
-            num_output_tokens=output.num_output_tokens,
-            num_cached_tokens=output.num_cached_tokens,
-        )
 
     def _ready(self) -> SchedulerReady:
         engine = self.engine
@@ -154,7 +138,7 @@ class SchedulerLoop:
                 num_running=snapshot.num_running,
                 num_running_batch=sum(s.priority == Priority.BATCH for s in self.engine.scheduler.running),
                 num_waiting=snapshot.num_waiting,
-                kv_cache_usage=snapshot.kv_usage,
+                kv_cache_usage=snapshot.kv_cache_usage,
                 num_pages=snapshot.num_pages,
                 num_used_pages=snapshot.num_used_pages,
                 prefix_query_tokens=snapshot.prefix_query_tokens,

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import msgspec
 
+from gpu_runtime.engine_config import EngineConfig
 
-class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     worker_id: str  # "<model>/<group>", unique in the daemon
-    model_name: str  # the served name
-    model_path: str | None  # a Hugging Face directory; None serves the embedded default
     group: str  # the GPU group, e.g. "0"; "cpu" on machines without one
-    device: str  # torch device for this group
     input_address: str  # ipc:// the scheduler binds; the frontend pushes requests here
     output_address: str  # ipc:// the frontend binds; the scheduler pushes outputs here
     heartbeat_path: str  # touched by the loop while it makes progress; the daemon's watchdog reads it
-    engine_options: dict[str, object] = {}  # EngineConfig fields
+    # The whole engine, validated by the daemon: its identity (model, served_model_name, device) is this worker's.
+    engine: EngineConfig
     log_level: str = "info"
     cpu_threads: int = 0  # torch threads (torch.set_num_threads); 0 leaves torch's default
     load_report_interval_s: float = 0.2

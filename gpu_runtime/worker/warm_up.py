@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_runtime.engine import LLMEngine
-from gpu_runtime.sampling_params import SamplingParams
+from gpu_runtime.ipc.sampling_params import SamplingParams
 
 _WARM_UP_ID = "tokend-warm-up"
 

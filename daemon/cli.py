@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--grpc", default="127.0.0.1:50051", help="the daemon's gRPC address")
     gateway.add_argument("--http-port", type=int, default=8000, help="listens on 127.0.0.1")
     gateway.add_argument("--sse-keepalive", type=float, default=5.0, help="seconds without a token before a comment")
+    gateway.add_argument("--http-header-timeout", type=float, default=10.0, help="seconds to send a request's headers")
+    gateway.add_argument("--http-max-connections", type=int, default=1024, help="open connections at once")
     gateway.add_argument("--log-level", default="info")
     bench = commands.add_parser("bench", help="benchmark a running daemon (vLLM bench serve's metrics)")
     add_bench_flags(bench)
@@ -71,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         from frontend.gateway.spec import GatewaySpec
 
         spec = GatewaySpec(
-            grpc_address=args.grpc, http_port=args.http_port, keepalive_s=args.sse_keepalive, log_level=args.log_level
+            grpc_address=args.grpc,
+            http_port=args.http_port,
+            keepalive_s=args.sse_keepalive,
+            header_timeout_s=args.http_header_timeout,
+            max_connections=args.http_max_connections,
+            log_level=args.log_level,
         )
         return run_gateway(spec)
     if args.command == "generate":

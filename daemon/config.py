@@ -55,6 +55,16 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     grpc_port: Annotated[int, _doc("the frontend's gRPC port, on 127.0.0.1")] = 50051
     metrics_port: Annotated[int, _doc("Prometheus text on http://127.0.0.1:<port>/metrics; 0 turns it off")] = 9401
     http_port: Annotated[int, _doc("the OpenAI-compatible HTTP/SSE gateway on 127.0.0.1; 0 turns it off")] = 8000
+    http_header_timeout: Annotated[
+        float, _doc("seconds an HTTP client has to send a request's headers (slowloris guard)")
+    ] = 10.0
+    http_max_connections: Annotated[int, _doc("open HTTP connections at once; one more gets a 503")] = 1024
+    tenant_metrics: Annotated[
+        bool, _doc("per-tenant series (tenant names and their usage) on /metrics; off: the ledger alone has them")
+    ] = False
+    metrics_token_sha256: Annotated[
+        str, _doc('hex SHA-256 of a bearer token that /metrics then requires (`printf %s "$TOKEN" | sha256sum`)')
+    ] = ""
     state_dir: Annotated[
         str, _doc("persistent state (the usage ledger); $STATE_DIRECTORY under systemd, else $XDG_STATE_HOME/tokend")
     ] = msgspec.field(default_factory=_default_state_dir)
@@ -67,7 +77,15 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         int, _doc("torch threads per scheduler; 0: the cores left after one for the frontend and gateway, shared")
     ] = 0
     drain_timeout: Annotated[float, _doc("seconds in-flight streams get to finish on SIGTERM")] = 30.0
-    stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 120.0
+    stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 30.0
+    # Its running requests wait on (the scheduler may resume) until stall_timeout kills it.
+    liveness_timeout: Annotated[
+        float,
+        _doc(
+            "seconds without a load report (or a few of its recent engine steps, if longer) before a scheduler "
+            "gets no new requests and health says NOT_SERVING"
+        ),
+    ] = 2.0
     log_level: Annotated[
         Literal["debug", "info", "warning", "error"], _doc("JSON log lines on stderr at this level and above")
     ] = "info"
@@ -94,10 +112,20 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _check("device", all(self.devices), "a comma-separated list of devices (auto, cpu, cuda, cuda:N)", self.device)
         _check("cpu_threads", _is_int(self.cpu_threads) and self.cpu_threads >= 0, "an integer >= 0 (0 = auto)",
                self.cpu_threads)  # fmt: skip
+        _check("http_max_connections", _is_int(self.http_max_connections) and self.http_max_connections >= 1,
+               "an integer >= 1", self.http_max_connections)  # fmt: skip
         for key in ("drain_timeout", "stall_timeout"):
             value = getattr(self, key)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-            _check(key, ok, "seconds >= 0", value)
+            _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
+        for key in ("liveness_timeout", "http_header_timeout"):
+            value = getattr(self, key)
+            _check(key, _is_number(value) and value > 0, "seconds > 0", value)
+        _check(
+            "metrics_token_sha256",
+            self.metrics_token_sha256 == "" or _is_sha256_hex(self.metrics_token_sha256),
+            "the lowercase hex SHA-256 of the token (sha256sum prints it)",
+            "<hidden>",
+        )
         _check_tenants(self.tenants)
         _check_models(self.models, bool(self.model))
         _check(
@@ -220,7 +248,7 @@ def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:
         digest = tenant.api_key_sha256
         _check(
             f"{key}.api_key_sha256",
-            len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) and digest not in hashes,
+            _is_sha256_hex(digest) and digest not in hashes,
             "the lowercase hex SHA-256 of the key (sha256sum prints it), unique",
             "<hidden>",
         )
@@ -238,6 +266,14 @@ def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:
             _check(f"{key}.{name}", value >= 0, "an integer >= 0 (0 = unlimited)", value)
         names.add(tenant.name)
         hashes.add(digest)
+
+
+def _is_sha256_hex(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_int(value: object) -> bool:

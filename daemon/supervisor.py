@@ -21,6 +21,7 @@ from daemon.config import ServeConfig
 from daemon.systemd_notify import SystemdNotifier
 from frontend.gateway.spec import GatewaySpec
 from frontend.spec import FrontendSpec, SchedulerAddress
+from gpu_runtime.ipc.peer_auth import SECRET_FILE, write_secret
 from gpu_runtime.worker.spec import WorkerSpec
 
 _TICK_S = 0.1
@@ -36,6 +37,8 @@ class Supervisor:
         Path(config.state_dir).mkdir(parents=True, exist_ok=True)
         # A private directory (mkdtemp makes it 0700): only the service user can reach the ipc sockets.
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokend-", dir=_systemd_runtime_dir()))
+        # A new secret every boot, before any child exists: each child proves its hellos with it (peer_auth).
+        write_secret(self.runtime_dir)
         self.schedulers = self._scheduler_children()
         self.frontend = self._frontend_child()
         self.gateway = self._gateway_child() if config.http_port else None
@@ -181,6 +184,8 @@ class Supervisor:
             grpc_address=f"127.0.0.1:{self.config.grpc_port}",
             http_port=self.config.http_port,
             shutdown_timeout_s=5.0,  # by the time it is stopped, the frontend has drained
+            header_timeout_s=self.config.http_header_timeout,
+            max_connections=self.config.http_max_connections,
             log_level=self.config.log_level,
         )
         return Child("gateway", "frontend.gateway", spec.to_json())
@@ -205,6 +210,7 @@ def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
                     input_address=f"ipc://{runtime_dir}/scheduler-{slot}.ipc",
                     output_address=f"ipc://{runtime_dir}/frontend.ipc",
                     heartbeat_path=str(runtime_dir / f"scheduler-{slot}.alive"),
+                    secret_path=str(runtime_dir / SECRET_FILE),
                     engine=engine,
                     log_level=config.log_level,
                     cpu_threads=threads,
@@ -224,12 +230,16 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
             SchedulerAddress(w.worker_id, w.engine.served_model_name or "", w.group, w.input_address) for w in workers
         ],
         default_model=served[0].name,
+        secret_path=str(runtime_dir / SECRET_FILE),
+        liveness_timeout_s=config.liveness_timeout,
         aliases={alias: m.name for m in served for alias in m.aliases},
         drain_timeout_s=config.drain_timeout,
         log_level=config.log_level,
         tenants=list(config.tenants),
         state_dir=config.state_dir,
         admission=config.admission,
+        tenant_metrics=config.tenant_metrics,
+        metrics_token_sha256=config.metrics_token_sha256,
     )
 
 

@@ -45,7 +45,7 @@ class AdminService(pb_grpc.AdminServicer):
                 pb.SchedulerLoad(
                     model=state.address.model_name,
                     group=state.address.group,
-                    ready=state.is_ready,
+                    ready=state.is_live,  # ready, and its reports arrive: it takes new requests
                     num_running=report.num_running if report else 0,
                     num_waiting=report.num_waiting if report else 0,
                     kv_cache_usage=report.kv_cache_usage if report else 0.0,

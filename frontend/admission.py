@@ -5,7 +5,8 @@ a class, the backlogged tenant that has been served the fewest tokens first (vir
 shed before interactive. Batch work gets only the slots interactive work has left spare over the last few
 seconds; interactive work gets every slot, and a little beyond (it then takes a running batch request's slot
 there). Per-tenant limits (requests in flight, tokens per minute) are refused at once with RESOURCE_EXHAUSTED
-and a retry hint.
+and a retry hint. Waiting requests of a model that has no live scheduler left fail at once with UNAVAILABLE:
+nothing can take them until one comes back, and another instance may serve them now.
 """
 
 from __future__ import annotations
@@ -205,19 +206,33 @@ class AdmissionController:
                 # No batch work left to make room: interactive alone exceeds capacity, and refusing a few keeps
                 # the target for the rest instead of letting every one of them miss it.
                 self._remove(ticket)
-                self._shed_ticket(ticket, "projected_ttft", projected)
+                self._shed_ticket(ticket, "projected_ttft", max(1.0, projected))
                 return
         if self._num_queued(ticket.model) > self._spec.max_queued_requests:
             victim = self._newest(ticket.model, Priority.BATCH)  # a batch arrival is the newest itself
             if victim is None:
                 victim = ticket  # no batch work can make room: the interactive arrival is refused
             self._remove(victim)
-            self._shed_ticket(victim, "queue_full", self._spec.batch_max_queue_wait)
+            self._shed_ticket(victim, "queue_full", self._retry_after(victim))
+
+    def _retry_after(self, ticket: Ticket) -> float:
+        """When a request shed for a full queue may try again: batch work after its longest allowed wait;
+        interactive work once the queue ahead of it is projected to drain (its TTFT target while no drain rate
+        is known yet), at least 1 s and never later than batch work is told."""
+        if ticket.priority == Priority.BATCH:
+            return self._spec.batch_max_queue_wait
+        if _dispatch_rate(self._pool(ticket.model)) > 0:
+            hint = self._projected_ttft(ticket)
+        else:  # nothing dispatched lately: no rate to project the drain from
+            hint = self._spec.interactive_ttft_target
+        return max(1.0, min(hint, self._spec.batch_max_queue_wait))
 
     def pump(self) -> None:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
         now = time.monotonic()
         for model, pool in self._pools.items():
+            if not self._link.ready_schedulers(model):
+                self._fail_queued(model, pool)
             pool.note_interactive_demand(now)  # at every change of demand: arrivals, dispatches, ends all pump
             for priority in Priority:
                 while (ticket := self._next_ticket(pool, priority)) is not None:
@@ -235,6 +250,17 @@ class AdmissionController:
                     scheduler.reserved += 1
                     ticket.future.set_result(scheduler)
         self._update_depth()
+
+    def _fail_queued(self, model: str, pool: Pool) -> None:
+        """The model lost its last live scheduler: its waiting requests fail now instead of hanging."""
+        for tenants in pool.queues.values():
+            for queue in tenants.values():
+                while queue:
+                    ticket = queue.popleft()
+                    if not ticket.future.done():
+                        ticket.future.set_exception(
+                            RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model!r} has no live scheduler; retry")
+                        )
 
     @staticmethod
     def _next_ticket(pool: Pool, priority: Priority) -> Ticket | None:

@@ -8,6 +8,7 @@ import contextvars
 import grpc
 
 from frontend.errors import RequestError
+from frontend.handler_wrapping import behaviour_of, same_kind
 from frontend.spec import TenantSpec
 from frontend.tenants import Authenticator
 
@@ -40,21 +41,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _as_tenant(handler, tenant)
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, unary, streaming) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` (unary or streaming response) running `unary` or `streaming`."""
-    common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **common)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **common)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **common)
-    return grpc.stream_stream_rpc_method_handler(streaming, **common)
-
-
 def _as_tenant(handler: grpc.RpcMethodHandler, tenant: TenantSpec) -> grpc.RpcMethodHandler:
     """The real handler, run with `calling_tenant()` answering `tenant`."""
-    behaviour = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    behaviour = behaviour_of(handler)
 
     async def unary(request, context):
         _calling_tenant.set(tenant)
@@ -65,7 +54,7 @@ def _as_tenant(handler: grpc.RpcMethodHandler, tenant: TenantSpec) -> grpc.RpcMe
         async for response in behaviour(request, context):
             yield response
 
-    return _same_kind(handler, unary, streaming)
+    return same_kind(handler, unary, streaming)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, error: RequestError) -> grpc.RpcMethodHandler:
@@ -78,4 +67,4 @@ def _refusing(handler: grpc.RpcMethodHandler, error: RequestError) -> grpc.RpcMe
         await context.abort(error.code, error.message)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
-    return _same_kind(handler, refuse, refuse_stream)
+    return same_kind(handler, refuse, refuse_stream)

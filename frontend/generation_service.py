@@ -19,11 +19,21 @@ from frontend.models import ModelCatalog
 from frontend.request_stream import ChunkBuilder
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
 from frontend.spec import TenantSpec
-from frontend.tenants import resolve_priority
+from frontend.tenants import cache_salt, resolve_priority
+from frontend.tokenize_pool import TokenizePool
 from frontend.usage_ledger import UsageRecord
-from frontend.validation import chat_messages, prepare
+from frontend.validation import (
+    PromptText,
+    chat_messages,
+    check_envelope,
+    check_tokenized,
+    no_room,
+    prepare,
+    prompt_input,
+)
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import AddRequest, RequestDelta
+from gpu_runtime.tokenizer import TooManyTokens
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -40,6 +50,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         metrics: FrontendMetrics,
         meter: Meter,
         admission: AdmissionController,
+        tokenize: TokenizePool,
         log,
     ):
         self._meter = meter
@@ -50,7 +61,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._metrics = metrics
         self._log = log
         self._settling: set[asyncio.Task] = set()
-        self._queued_ids: set[str] = set()  # ids of requests waiting for admission (the link knows the rest)
+        self._tokenize = tokenize
+        # (tenant, request id) of every request from arrival to its end -> its record id, the id schedulers see
+        self._record_ids: dict[tuple[str, str], str] = {}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.monotonic()
@@ -64,7 +77,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             stream, builder, record = await self._admit(request, calling_tenant())
             # Headers now: a client that sees them knows the request passed validation and is queued.
-            await context.send_initial_metadata((("x-request-id", stream.request_id), ("x-model", builder.model_name)))
+            await context.send_initial_metadata((("x-request-id", builder.request_id), ("x-model", builder.model_name)))
             async for chunk in self._chunks(stream, builder, record, arrived):
                 yield chunk
         except RequestError as error:
@@ -87,34 +100,55 @@ class GenerationService(pb_grpc.GenerationServicer):
         model = self._models.describe(model_name)  # limits and files; admission picks the scheduler later
         if model is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
+        check_envelope(request)
         tokenizer = self._models.tokenizer(model)
-        chat_prompt = await self._render_chat(request, model) if request.HasField("chat") else None
-        prepared = prepare(request, model, tokenizer, chat_prompt)
-        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        if self._link.is_in_flight(request_id) or request_id in self._queued_ids:
-            raise invalid(f"request_id: {request_id!r} is already in flight")
+        prepared = prepare(request, model, await self._prompt_token_ids(request, model, tokenizer))
         priority = resolve_priority(tenant, prepared.priority)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        # Request ids are the client's own, per tenant: another tenant's ids neither collide with them nor are
+        # revealed by a refusal. Schedulers know the request by its usage record's id, unique across restarts.
+        key = (tenant.name if tenant else "", request_id)
+        if key in self._record_ids:
+            raise invalid(f"request_id: {request_id!r} is already in flight")
+        record_id = self._record_ids[key] = self._meter.new_record_id()
         cost = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
-        self._queued_ids.add(request_id)
         try:
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
-            message = AddRequest(request_id, prepared.prompt_token_ids, prepared.sampling, priority)
-            stream = self._link.submit(scheduler, message, tenant.name if tenant else None, cost)
+            message = AddRequest(record_id, prepared.prompt_token_ids, prepared.sampling, priority, cache_salt(tenant))
+            stream = self._link.submit(scheduler, message, key[0] or None, cost)
         except Shed:
-            await self._meter.record_shed(request_id, tenant.name if tenant else None, model_name, priority)
+            del self._record_ids[key]
+            await self._meter.record_shed(record_id, request_id, key[0] or None, model_name, priority)
             raise
-        finally:
-            self._queued_ids.discard(request_id)
+        except BaseException:
+            del self._record_ids[key]
+            raise
         self._log.info(
             "request_admitted",
             request_id=request_id,
+            record_id=record_id,
             model=model_name,
             worker=scheduler.address.worker_id,
             priority=priority.label,
             prompt_tokens=len(message.prompt_token_ids),
         )
-        record = self._meter.open(request_id, tenant.name if tenant else None, model_name, priority)
+        record = self._meter.open(record_id, request_id, key[0] or None, model_name, priority)
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record
+
+    async def _prompt_token_ids(self, request: pb.GenerateRequest, model, tokenizer) -> list[int]:
+        """The prompt as token ids; text is tokenized on a worker thread, never on this loop."""
+        chat_prompt = await self._render_chat(request, model) if request.HasField("chat") else None
+        prompt = prompt_input(request, model, chat_prompt)
+        if not isinstance(prompt, PromptText):
+            return prompt  # the client sent token ids
+        try:
+            # One token of room to generate at least: a longer prompt is refused before its ids become a list.
+            token_ids = await self._tokenize.encode(
+                tokenizer, prompt.text, prompt.add_special_tokens, max_tokens=model.max_model_len - 1
+            )
+        except TooManyTokens as error:
+            raise no_room(prompt.field, error.num_tokens, model, error.exact) from None
+        return check_tokenized(prompt, token_ids)
 
     async def _render_chat(self, request: pb.GenerateRequest, ready) -> str:
         template = self._models.chat_template(ready)
@@ -155,7 +189,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """A request that did not run to its end is aborted, and metered once its scheduler has said what it
         really computed (tokens generated before the abort took effect included)."""
         if record.status != "running":
-            self._forget(stream)
+            self._forget(stream, record)
             return
         self._link.abort(stream.request_id)
         task = asyncio.get_running_loop().create_task(self._settle(stream, builder, record, outcome))
@@ -180,7 +214,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             if isinstance(item, SchedulerLost):
                 break
             latest = item
-        self._forget(stream)
+        self._forget(stream, record)
         await self._close(stream, record, outcome, builder.finish_reason or FinishReason.ABORT, latest)
 
     async def _close(
@@ -197,8 +231,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._admission.account(record.model, record.tenant, stream.priority, stream.cost, record.prompt_tokens,
                                 record.completion_tokens)  # fmt: skip
 
-    def _forget(self, stream: RequestStream) -> None:
+    def _forget(self, stream: RequestStream, record: UsageRecord) -> None:
         """The request no longer holds a scheduler slot: the next queued one may go."""
+        self._record_ids.pop((record.tenant, record.request_id), None)
         if self._link.is_in_flight(stream.request_id):
             self._link.forget(stream)
             self._admission.release(stream.scheduler.address.model_name, stream.tenant, stream.priority)
@@ -207,10 +242,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         tenant = calling_tenant()
-        owner = self._link.owner(request.request_id)
-        if tenant is not None and owner != tenant.name:
-            return pb.AbortResponse(aborted=False)  # another tenant's request is none of this caller's business
-        return pb.AbortResponse(aborted=self._link.abort(request.request_id))
+        # Only the caller's own requests: another tenant's with the same id is a different request.
+        record_id = self._record_ids.get((tenant.name if tenant else "", request.request_id))
+        return pb.AbortResponse(aborted=record_id is not None and self._link.abort(record_id))
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         tenant = calling_tenant()

@@ -1,4 +1,8 @@
-"""Serving state of the frontend: in-flight requests, draining, and the health status it implies."""
+"""Serving state of the frontend: in-flight requests, draining, and the health status it implies.
+
+Health has one service per served model (its name), SERVING while some scheduler of the model is live, and the
+whole server's ("" and tokend.v1.Generation), SERVING while every scheduler is; all NOT_SERVING once draining.
+"""
 
 from __future__ import annotations
 
@@ -36,17 +40,19 @@ class Lifecycle:
 
     @property
     def is_serving(self) -> bool:
-        return not self.draining and all(s.is_ready for s in self._link.schedulers)
+        return not self.draining and all(s.is_live for s in self._link.schedulers)
+
+    def model_is_serving(self, model_name: str) -> bool:
+        return not self.draining and bool(self._link.ready_schedulers(model_name))
 
     def schedule_health_refresh(self) -> None:
         asyncio.get_running_loop().create_task(self.refresh_health())
 
     async def refresh_health(self) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if self.is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
         for service in SERVICE_NAMES:
-            await self._health.set(service, status)
+            await self._health.set(service, _status(self.is_serving))
+        for model_name in dict.fromkeys(s.address.model_name for s in self._link.schedulers):
+            await self._health.set(model_name, _status(self.model_is_serving(model_name)))
 
     async def begin_drain(self) -> None:
         self.draining = True
@@ -59,3 +65,7 @@ class Lifecycle:
         except TimeoutError:
             return False
         return True
+
+
+def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -29,10 +29,14 @@ class Meter:
         self._prefix = uuid.uuid4().hex[:12]  # record ids stay unique across frontend restarts
         self._running: dict[str, UsageRecord] = {}
 
-    def open(self, request_id: str, tenant: str | None, model: str, priority: Priority) -> UsageRecord:
+    def new_record_id(self) -> str:
+        """The id of a request's usage record, and the id its scheduler knows it by: unique across restarts."""
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def open(self, record_id: str, request_id: str, tenant: str | None, model: str, priority: Priority) -> UsageRecord:
         now = time.time()
         record = UsageRecord(
-            record_id=f"{self._prefix}-{next(self._ids)}",
+            record_id=record_id,
             request_id=request_id,
             tenant=tenant or "",
             model=model,
@@ -55,9 +59,11 @@ class Meter:
             record.cached_tokens = latest.num_cached_tokens
         record.updated_at = time.time()
 
-    async def record_shed(self, request_id: str, tenant: str | None, model: str, priority: Priority) -> None:
+    async def record_shed(
+        self, record_id: str, request_id: str, tenant: str | None, model: str, priority: Priority
+    ) -> None:
         """A request refused under pressure is in the ledger too, with nothing computed."""
-        record = self.open(request_id, tenant, model, priority)
+        record = self.open(record_id, request_id, tenant, model, priority)
         await self.close(record, "shed", None, None)
 
     async def close(
@@ -91,6 +97,18 @@ class Meter:
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens,
             cached_tokens=record.cached_tokens,
+        )
+
+    def settle_orphan(self, delta: RequestDelta) -> None:
+        """A request of a frontend that died ended on its scheduler: its row (marked interrupted at our start, with
+        the counts of its last checkpoint) gets the scheduler's final counts."""
+        self._ledger.settle_interrupted(delta.request_id, delta.num_prompt_tokens, delta.num_output_tokens,
+                                        delta.num_cached_tokens)  # fmt: skip
+        self._log.info(
+            "orphan_settled",
+            record_id=delta.request_id,
+            prompt_tokens=delta.num_prompt_tokens,
+            completion_tokens=delta.num_output_tokens,
         )
 
     async def checkpoint_forever(self) -> None:

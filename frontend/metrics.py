@@ -6,8 +6,9 @@ totals are observed here, where the client's experience is.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from frontend.metrics_server import start_metrics_server
 from gpu_runtime.ipc.messages import LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
@@ -15,7 +16,7 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 
 class FrontendMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_metrics: bool = False) -> None:
         self.registry = CollectorRegistry()
         scheduler = ["model_name", "group"]
         model = ["model_name"]
@@ -69,6 +70,9 @@ class FrontendMetrics:
             "tokend:e2e_request_latency_seconds", "Arrival to last token", model, buckets=_E2E_BUCKETS, registry=r
         )
         tenant = ["tenant", "model_name"]
+        # Tenant names and their usage are for the operator: served only when asked for (tenant_metrics), else
+        # counted in a registry nobody serves.
+        r = self.registry if tenant_metrics else CollectorRegistry()
         self.tenant_requests = Counter(
             "tokend:tenant_requests", "Requests per tenant by ledger status", [*tenant, "status"], registry=r
         )
@@ -81,6 +85,7 @@ class FrontendMetrics:
         self.tenant_cached_tokens = Counter(
             "tokend:tenant_cached_tokens", "Prompt tokens served from the prefix cache, per tenant", tenant, registry=r
         )
+        r = self.registry
         self.admission_admitted = Counter(
             "tokend:admission_admitted", "Requests sent to a scheduler, by class", ["priority"], registry=r
         )
@@ -97,8 +102,8 @@ class FrontendMetrics:
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve(self, port: int, token_sha256: str = "") -> None:
+        start_metrics_server(port, self.registry, token_sha256)
 
     def observe_load(self, model_name: str, group: str, report: LoadReport) -> None:
         labels = (model_name, group)

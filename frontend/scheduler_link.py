@@ -2,12 +2,19 @@
 
 A scheduler that dies is noticed at once through its socket's disconnect event: its in-flight requests get
 SchedulerLost, it is unready until it says SchedulerReady again, and its socket is rebuilt so that no
-request queued for the dead process reaches its successor.
+request queued for the dead process reaches its successor. A scheduler that is alive but stuck (its load
+reports stop) is noticed within the liveness timeout: it takes no new requests until it reports again, and
+the requests it runs wait for it (the daemon kills it after stall_timeout, and then they fail as above).
+
+Nothing that arrives on the output socket stops its receiver: undecodable bytes are dropped, a SchedulerReady
+without a genuine proof is dropped as forged, outputs and load reports count only with the incarnation of a
+genuine ready, and a failure while handling a message costs that message only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from collections.abc import Callable
@@ -21,15 +28,26 @@ from zmq.utils.monitor import recv_monitor_message
 from frontend.spec import FrontendSpec, SchedulerAddress
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import (
+    MAX_MESSAGE_BYTES,
     AbortRequests,
     AddRequest,
     FrontendHello,
     LoadReport,
+    RequestDelta,
     SchedulerReady,
     StepOutputs,
+    ToFrontend,
     frontend_codec,
     scheduler_codec,
 )
+from gpu_runtime.ipc.peer_auth import PeerAuth, read_secret
+
+# Reports come from the scheduler loop between engine steps, so one long step delays the next report by that
+# long: a scheduler is only called unresponsive after a silence longer than the liveness timeout, and longer
+# than this many of its recent longest steps and of its mean ones (a prefill step may take far longer than the
+# decode steps that make up most of the mean).
+_LONGEST_STEPS_OF_SLACK = 2
+_MEAN_STEPS_OF_SLACK = 4
 
 
 class SchedulerLost:
@@ -46,13 +64,23 @@ class SchedulerState:
     ready: SchedulerReady | None = None  # None while down or starting
     load: LoadReport | None = None
     load_received_at: float = 0.0
+    heard_at: float = 0.0  # monotonic time of its latest ready, outputs or load report
+    unresponsive: bool = False  # ready, but silent for longer than the liveness threshold
     requests: set[str] = field(default_factory=set)
     reserved: int = 0  # slots admission gave to requests on their way to submit()
     monitor_task: asyncio.Task | None = None
+    # Outputs that came before this frontend had the scheduler's proven ready: the final counts of requests of a
+    # frontend that died, sent before the scheduler noticed. Replayed once a genuine ready names their sender.
+    unproven: collections.deque[StepOutputs] = field(default_factory=lambda: collections.deque(maxlen=256))
 
     @property
     def is_ready(self) -> bool:
         return self.ready is not None
+
+    @property
+    def is_live(self) -> bool:
+        """Ready and making progress: the only kind that gets new requests."""
+        return self.ready is not None and not self.unresponsive
 
     @property
     def projected_ttft_seconds(self) -> float:
@@ -77,25 +105,37 @@ class SchedulerLink:
         self.schedulers = [SchedulerState(address) for address in spec.schedulers]
         self._spec = spec
         self._log = log
-        self._on_change = on_change  # called whenever a scheduler becomes ready or is lost
+        self._on_change = on_change  # called whenever a scheduler becomes ready or live, or stops being either
+        self._auth: PeerAuth | None = None  # from the secret file, read in start()
         self._context = zmq.asyncio.Context()
         self._streams: dict[str, RequestStream] = {}
         self._to_scheduler = scheduler_codec()
         self._from_scheduler = frontend_codec()
         self._outputs = self._context.socket(zmq.PULL)
-        self._receiver: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._failed_kinds: set[str] = set()  # exception types already logged with a traceback
         self.on_load: Callable[[SchedulerState, LoadReport], None] = lambda state, report: None
         self.on_lost: Callable[[SchedulerState], None] = lambda state: None
+        # Every final delta whose request this link does not know: a request of a previous frontend, whose
+        # scheduler aborted it when this frontend said hello (or that ended while no frontend was there), or
+        # one this frontend already forgot. Its counts are the scheduler's authoritative ones; the same request
+        # id may have been closed already (the callback ignores what it closed itself).
+        self.on_orphan_finished: Callable[[SchedulerState, RequestDelta], None] = lambda state, delta: None
 
     async def start(self) -> None:
+        """Reads the daemon's secret (OSError/ValueError if it cannot), binds the outputs, greets every scheduler."""
+        self._auth = PeerAuth(read_secret(self._spec.secret_path))
         self._outputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops a sender that goes beyond it
         self._outputs.bind(self._spec.output_address)
         for state in self.schedulers:
             self._connect(state)
-        self._receiver = asyncio.create_task(self._receive_forever(), name="scheduler-outputs")
+        self._tasks.append(asyncio.create_task(self._receive_forever(), name="scheduler-outputs"))
+        self._tasks.append(asyncio.create_task(self._watch_liveness(), name="scheduler-liveness"))
+        self._tasks[0].add_done_callback(self._receiver_stopped)
 
     def close(self) -> None:
-        tasks = [self._receiver] + [s.monitor_task for s in self.schedulers]
+        tasks = self._tasks + [s.monitor_task for s in self.schedulers]
         for task in tasks:
             if task is not None:
                 task.cancel()
@@ -104,7 +144,8 @@ class SchedulerLink:
     # -- requests -------------------------------------------------------------------------------------------
 
     def ready_schedulers(self, model_name: str) -> list[SchedulerState]:
-        return [s for s in self.schedulers if s.address.model_name == model_name and s.is_ready]
+        """The model's schedulers that may take a new request: ready, and live."""
+        return [s for s in self.schedulers if s.address.model_name == model_name and s.is_live]
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -158,8 +199,10 @@ class SchedulerLink:
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(state.address.input_address)
         state.monitor_task = asyncio.create_task(self._watch(state, socket, monitor), name="scheduler-monitor")
-        # Queued until the scheduler binds; it answers with SchedulerReady.
-        socket.send(self._to_scheduler.encode(FrontendHello(self.frontend_id)), zmq.NOBLOCK)
+        # First on this connection, so the scheduler takes what follows; queued until it binds; it answers with
+        # SchedulerReady.
+        hello = FrontendHello(self.frontend_id, self._auth.hello_proof(self.frontend_id))
+        socket.send(self._to_scheduler.encode(hello), zmq.NOBLOCK)
 
     async def _watch(self, state: SchedulerState, socket: zmq.asyncio.Socket, monitor) -> None:
         try:
@@ -181,6 +224,7 @@ class SchedulerLink:
         was_ready = state.is_ready
         state.ready = None
         state.load = None
+        state.unresponsive = False
         for request_id in list(state.requests):
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -191,6 +235,43 @@ class SchedulerLink:
         if was_ready:
             self._on_change()
 
+    # -- liveness -------------------------------------------------------------------------------------------
+
+    def liveness_threshold(self, state: SchedulerState) -> float:
+        """Seconds of silence after which a ready scheduler counts as stuck."""
+        load = state.load
+        if load is None:
+            return self._spec.liveness_timeout_s
+        steps_s = max(_LONGEST_STEPS_OF_SLACK * load.longest_recent_step_ms, _MEAN_STEPS_OF_SLACK * load.mean_step_ms)
+        return max(self._spec.liveness_timeout_s, steps_s / 1000)
+
+    async def _watch_liveness(self) -> None:
+        interval = min(0.25, self._spec.liveness_timeout_s / 4)
+        last_tick = clock_restart = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last_tick > 2 * interval:
+                # This process itself was held up (reports may be waiting unread in the socket): silence is
+                # counted from now, so that a stalled frontend never calls its schedulers stuck.
+                clock_restart = now
+            last_tick = now
+            for state in self.schedulers:
+                silent_s = now - max(state.heard_at, clock_restart)
+                if state.is_live and silent_s > self.liveness_threshold(state):
+                    state.unresponsive = True
+                    self._log.warning("scheduler_unresponsive", worker=state.address.worker_id,
+                                      seconds_since_report=round(now - state.heard_at, 2),
+                                      threshold_s=round(self.liveness_threshold(state), 2))  # fmt: skip
+                    self._on_change()
+
+    def _heard_from(self, state: SchedulerState) -> None:
+        state.heard_at = time.monotonic()
+        if state.unresponsive:
+            state.unresponsive = False
+            self._log.info("scheduler_responsive", worker=state.address.worker_id)
+            self._on_change()
+
     # -- outputs --------------------------------------------------------------------------------------------
 
     async def _receive_forever(self) -> None:
@@ -198,42 +279,89 @@ class SchedulerLink:
             data = await self._outputs.recv()
             try:
                 message = self._from_scheduler.decode(data)
-            except msgspec.DecodeError as error:
-                self._log.warning("dropped_bad_message", bytes=len(data), error=str(error)[:200])
+            except Exception as error:  # RecursionError included (see Codec.decode)
+                self._log.warning(
+                    "dropped_bad_message", bytes=len(data), error_type=type(error).__name__, error=str(error)[:200]
+                )
                 continue
-            state = self._scheduler(message.worker_id)
-            if state is None:
-                continue
-            if isinstance(message, StepOutputs):
-                self._dispatch(state, message)
-            elif isinstance(message, LoadReport):
-                if state.ready is not None and message.incarnation == state.ready.incarnation:
-                    state.load, state.load_received_at = message, time.monotonic()
-                    self.on_load(state, message)
-            elif isinstance(message, SchedulerReady):
-                self._on_ready(state, message)
+            try:
+                self._handle(message)
+            except Exception as error:
+                kind = type(error).__name__
+                # One traceback per kind of failure: a peer repeating a bad message must not flood the log.
+                self._log.error("message_failed", message=type(message).__name__, error_type=kind,
+                                error=str(error)[:200], exc_info=kind not in self._failed_kinds)  # fmt: skip
+                self._failed_kinds.add(kind)
+
+    def _receiver_stopped(self, task: asyncio.Task) -> None:
+        if not task.cancelled():  # then liveness calls every scheduler stuck, and health says NOT_SERVING
+            self._log.error("receiver_stopped", error=repr(task.exception()))
+
+    def _handle(self, message: ToFrontend) -> None:
+        state = self._scheduler(message.worker_id)
+        if state is None:
+            return
+        if isinstance(message, SchedulerReady):
+            self._on_ready(state, message)
+            return
+        if state.ready is None and isinstance(message, StepOutputs):
+            state.unproven.append(message)
+            return
+        if state.ready is None or message.incarnation != state.ready.incarnation:
+            # Queued by a process that is gone or not yet ready, or sent by one that never proved itself.
+            self._log.debug("dropped_stale_message", kind=type(message).__name__, worker=message.worker_id)
+            return
+        self._heard_from(state)
+        if isinstance(message, StepOutputs):
+            self._dispatch(state, message)
+        elif isinstance(message, LoadReport):
+            state.load, state.load_received_at = message, time.monotonic()
+            self.on_load(state, message)
 
     def _on_ready(self, state: SchedulerState, message: SchedulerReady) -> None:
+        if not self._auth.ready_is_genuine(message.worker_id, message.incarnation, message.proof):
+            self._log.warning("forged_message", kind="SchedulerReady", worker=message.worker_id, pid=message.pid)
+            return
         if state.ready is not None and state.ready.incarnation != message.incarnation:
             self._lose(state, f"the scheduler of model {state.address.model_name!r} restarted; retry")
         if state.ready is None:
             self._log.info("scheduler_ready", worker=message.worker_id, pid=message.pid)
             state.ready = message
+            state.heard_at = time.monotonic()
+            while state.unproven:
+                earlier = state.unproven.popleft()
+                if earlier.incarnation == message.incarnation:
+                    self._dispatch(state, earlier)
             self._on_change()
+        else:
+            self._heard_from(state)
 
     def _dispatch(self, state: SchedulerState, message: StepOutputs) -> None:
-        orphans = []
+        orphans, orphan_finals = [], []
         for delta in message.deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None or stream.scheduler is not state:
                 if delta.finish_reason is None:
                     orphans.append(delta.request_id)  # nobody reads it: stop computing it
+                elif stream is None:
+                    orphan_finals.append(delta)
                 continue
             stream.queue.put_nowait(delta)
             if delta.finish_reason is not None:
                 stream.finished = True
         if orphans and state.is_ready:
             self._send(state, AbortRequests(orphans))
+        for delta in orphan_finals:  # after the known streams: a failing callback must not cost them deltas
+            self._orphan_finished(state, delta)
+
+    def _orphan_finished(self, state: SchedulerState, delta: RequestDelta) -> None:
+        self._log.info("orphan_finished", request_id=delta.request_id, worker=state.address.worker_id,
+                       finish_reason=str(delta.finish_reason), prompt_tokens=delta.num_prompt_tokens,
+                       completion_tokens=delta.num_output_tokens)  # fmt: skip
+        try:
+            self.on_orphan_finished(state, delta)
+        except Exception as error:
+            self._log.error("orphan_callback_failed", request_id=delta.request_id, error=repr(error), exc_info=True)
 
     def _scheduler(self, worker_id: str) -> SchedulerState | None:
         return next((s for s in self.schedulers if s.address.worker_id == worker_id), None)

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from frontend.admin_service import AdminService
 from frontend.admission import AdmissionController
 from frontend.auth_interceptor import AuthInterceptor
+from frontend.error_interceptor import ErrorInterceptor
 from frontend.generation_service import GenerationService
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter
@@ -20,6 +21,7 @@ from frontend.models import ModelCatalog
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import FrontendSpec
 from frontend.tenants import Authenticator
+from frontend.tokenize_pool import TokenizePool
 from frontend.usage_ledger import UsageLedger
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
@@ -31,7 +33,7 @@ class PortInUse(Exception):
 
 async def serve(spec: FrontendSpec, log) -> None:
     """Serves until SIGTERM/SIGINT, then drains: in-flight streams get up to drain_timeout_s to finish."""
-    metrics = FrontendMetrics()
+    metrics = FrontendMetrics(spec.tenant_metrics)
     health_servicer = health.aio.HealthServicer()
     lifecycle: Lifecycle | None = None
     admission: AdmissionController | None = None
@@ -49,16 +51,20 @@ async def serve(spec: FrontendSpec, log) -> None:
     ledger = UsageLedger(spec.state_dir, log)
     meter = Meter(ledger, metrics, log)
     admission = AdmissionController(link, spec.admission, metrics, spec.tenants)
+    tokenize = TokenizePool()
+    # A request of our crashed predecessor ended on its scheduler: its interrupted row gets the final counts.
+    link.on_orphan_finished = lambda state, delta: meter.settle_orphan(delta)
 
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(authenticator)],
+        # The funnel outermost: it also answers what goes wrong in authentication, and decodes for everyone.
+        interceptors=[ErrorInterceptor(log), AuthInterceptor(authenticator)],
         options=[
             ("grpc.max_receive_message_length", spec.max_request_bytes),
             ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
         ],
     )
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(link, models, lifecycle, metrics, meter, admission, log), server
+        GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log), server
     )
     pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle, ledger.path), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -79,7 +85,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     checkpoints = asyncio.create_task(meter.checkpoint_forever(), name="usage-checkpoints")
     if spec.metrics_port is not None:
         try:
-            metrics.serve(spec.metrics_port)
+            metrics.serve(spec.metrics_port, spec.metrics_token_sha256)
         except OSError as error:
             raise PortInUse(f"metrics_port: cannot listen on 127.0.0.1:{spec.metrics_port} ({error})") from None
     log.info("frontend_listening", grpc_port=spec.grpc_port, metrics_port=spec.metrics_port)
@@ -100,6 +106,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     await asyncio.sleep(0.5)  # aborted requests' final counts arrive and are metered
     checkpoints.cancel()
     admission.close()
+    tokenize.close()
     link.close()
     ledger.close()
     log.info("frontend_stopped")

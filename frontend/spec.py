@@ -27,6 +27,8 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens_per_minute: int = 0  # prompt plus completion tokens; 0 = unlimited
     models: list[str] = []  # the models it may use; empty = all
     admin: bool = False  # may call the Admin service
+    # Tenants with the same cache group share cached prompt pages (e.g. a common system prompt); "" = its own.
+    cache_group: str = ""
 
     def may_use(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -64,13 +66,20 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_address: str  # ipc:// this process binds; every scheduler pushes its outputs here
     schedulers: list[SchedulerAddress]
     default_model: str
+    # The daemon's per-boot secret file (gpu_runtime.ipc.peer_auth): signs our hellos, checks the schedulers'
+    # readies. The path, never the secret: this spec travels on a command line, which `ps` shows to everyone.
+    secret_path: str
     drain_timeout_s: float = 30.0
+    # A scheduler whose load reports stop this long (or a few of its recent steps, if longer) takes no new work.
+    liveness_timeout_s: float = 2.0
     max_request_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     tenants: list[TenantSpec] = []  # empty: authentication is off
     state_dir: str = "."  # where the usage ledger lives
     aliases: dict[str, str] = {}  # another name of a model -> its name
     admission: AdmissionSpec = AdmissionSpec()
+    tenant_metrics: bool = False  # per-tenant series on /metrics (tenant names and usage)
+    metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

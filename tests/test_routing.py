@@ -33,11 +33,11 @@ def make_link():
 def _link(groups: int) -> SchedulerLink:
     addresses = [SchedulerAddress(f"{MODEL}/{g}", MODEL, str(g), f"ipc:///nonexistent/{g}") for g in range(groups)]
     spec = FrontendSpec(grpc_port=0, metrics_port=None, output_address="ipc:///nonexistent/out",
-                        schedulers=addresses, default_model=MODEL)  # fmt: skip
+                        schedulers=addresses, default_model=MODEL, secret_path="/nonexistent/secret")  # fmt: skip
     link = SchedulerLink(spec, log=None, on_change=lambda: None)
     for state in link.schedulers:
         state.ready = SchedulerReady(state.address.worker_id, "1", 1, MODEL, "/m", state.address.group,
-                                     2048, 256, 1000, 16, max_num_seqs=8)  # fmt: skip
+                                     2048, 256, 1000, 16, max_num_seqs=8, proof=b"")  # fmt: skip
         _report(state, running=0, projected_ttft=0.0)
     return link
 

@@ -37,6 +37,9 @@ def _sampling(**fields) -> pb.GenerateRequest:
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 2048)), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        # Longer than the context could hold at 32 characters a token: refused before it is tokenized.
+        (pb.GenerateRequest(prompt="x" * 70_000), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (pb.GenerateRequest(prompt="Hi", request_id="\u00e9t\u00e9"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
         (_sampling(temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
         (_sampling(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
         (_sampling(top_p=0), grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
@@ -101,3 +104,18 @@ def test_fill_context_generates_past_the_default_up_to_what_the_cache_holds(daem
             break
     call.cancel()
     assert chunk.usage.completion_tokens > 16
+
+
+@pytest.mark.parametrize("method", ["Generate", "Abort"])
+def test_bytes_that_are_no_message_are_refused_as_invalid(daemon, method):
+    """Not grpc's UNKNOWN with a traceback in the log: the client sent bad bytes and is told so."""
+    call = (daemon.channel.unary_stream if method == "Generate" else daemon.channel.unary_unary)(
+        f"/tokend.v1.Generation/{method}"
+    )  # no serializers: the bytes go out as they are
+    with pytest.raises(grpc.RpcError) as caught:
+        reply = call(b"\n\x01\xff", timeout=30)  # field 1, a string of one byte that is not UTF-8
+        list(reply) if method == "Generate" else None
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("request: not a valid message")
+    assert "Traceback" not in daemon.log()
+    assert len(daemon.generate("still serving", max_tokens=2)) >= 1

@@ -9,6 +9,7 @@ import uvicorn
 
 from common.logs import configure_logging
 from frontend.gateway.app import build_app
+from frontend.gateway.http_protocol import BoundedH11Protocol
 from frontend.gateway.spec import GatewaySpec
 
 
@@ -19,7 +20,8 @@ def run_gateway(spec: GatewaySpec) -> int:
         host="127.0.0.1",
         port=spec.http_port,
         loop="uvloop",
-        http="h11",
+        # h11, with a deadline for request heads and a cap on connections that uvicorn does not have itself.
+        http=BoundedH11Protocol.with_limits(spec.header_timeout_s, spec.max_connections),
         # h11 must read a request with many headers in full, so that RequestLimits can refuse it in OpenAI's
         # shape (431) instead of h11 dropping the connection.
         h11_max_incomplete_event_size=1 << 20,
@@ -27,7 +29,13 @@ def run_gateway(spec: GatewaySpec) -> int:
         access_log=False,
         timeout_graceful_shutdown=spec.shutdown_timeout_s,
     )
-    log.info("gateway_listening", http_port=spec.http_port, grpc=spec.grpc_address)
+    log.info(
+        "gateway_listening",
+        http_port=spec.http_port,
+        grpc=spec.grpc_address,
+        header_timeout_s=spec.header_timeout_s,
+        max_connections=spec.max_connections,
+    )
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 75  # not started: the port is taken (EX_TEMPFAIL)

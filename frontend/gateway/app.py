@@ -1,4 +1,4 @@
-"""build_app: the gateway's Starlette application, with its limits, error shape and request metrics."""
+"""build_app: the gateway's Starlette application, with its limits, error shape, error funnel and request metrics."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import contextlib
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from frontend.gateway.error_funnel import ErrorFunnel
 from frontend.gateway.errors import OpenAIError
 from frontend.gateway.limits import RequestLimits
 from frontend.gateway.routes import GatewayRoutes
@@ -32,6 +33,12 @@ def build_app(spec: GatewaySpec) -> Starlette:
                 response = await handler(request)
             except OpenAIError as error:
                 response = error.response()
+            except ClientDisconnect:
+                routes.http_requests.labels(route, "499").inc()
+                raise
+            except Exception:
+                routes.http_requests.labels(route, "500").inc()
+                raise  # to ErrorFunnel, which answers and logs it
             routes.http_requests.labels(route, str(response.status_code)).inc()
             return response
 
@@ -51,12 +58,13 @@ def build_app(spec: GatewaySpec) -> Starlette:
             Route("/", routes.playground, methods=["GET"]),
         ],
         middleware=[
+            Middleware(ErrorFunnel),  # first: it also catches what the limits raise
             Middleware(
                 RequestLimits,
                 max_body_bytes=spec.max_body_bytes,
                 max_header_count=spec.max_header_count,
                 max_header_bytes=spec.max_header_bytes,
-            )
+            ),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

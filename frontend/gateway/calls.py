@@ -4,12 +4,12 @@ stream of SSE events or one collected body. Whatever ends the HTTP side cancels 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 import grpc
 
 from frontend.gateway.errors import from_grpc
+from frontend.gateway.json_wire import line_safe_dumps
 from frontend.gateway.openai_responses import ResponseShape
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
@@ -58,7 +58,7 @@ class GenerateCalls:
         try:
             if shape.chat:
                 for index in range(len(self.calls)):
-                    yield _event(shape.role_chunk(index))
+                    yield sse_event(shape.role_chunk(index))
             open_calls = len(self.calls)
             while open_calls:
                 try:
@@ -69,12 +69,12 @@ class GenerateCalls:
                 if item is _END:
                     open_calls -= 1
                 elif isinstance(item, grpc.aio.AioRpcError):
-                    yield _event(from_grpc(item.code(), item.details(), shape.chat).body())
+                    yield sse_event(from_grpc(item.code(), item.details(), shape.chat).body())
                     return
                 else:
-                    yield _event(shape.chunk(index, item))
+                    yield sse_event(shape.chunk(index, item))
             if shape.include_usage:
-                yield _event(shape.usage_chunk())
+                yield sse_event(shape.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
             # Also runs when the client goes away: the calls' cancellation aborts their sequences.
@@ -92,5 +92,6 @@ async def _pump(index: int, call, queue: asyncio.Queue) -> None:
         queue.put_nowait((index, error))
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def sse_event(payload: dict) -> str:
+    """One SSE event; its JSON never holds a character a line-splitting client would cut the event at."""
+    return f"data: {line_safe_dumps(payload)}\n\n"

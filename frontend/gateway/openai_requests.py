@@ -10,7 +10,14 @@ import re
 import msgspec
 
 from frontend.gateway.errors import bad_request
+from frontend.gateway.json_wire import MAX_JSON_DEPTH, nesting_exceeds
 from tokend.v1 import tokend_pb2 as pb
+
+_UINT32_END = 2**32
+# The integer fields that reach a protobuf field as they are, and the end of that field's range: uint32 or uint64.
+# (max_tokens and max_completion_tokens reach one clamped; n and best_of never reach one.)
+_INTEGER_ENDS = {"top_k": _UINT32_END, "logprobs": _UINT32_END, "top_logprobs": _UINT32_END, "seed": 2**64}
+_CLAMPED = ("max_tokens", "max_completion_tokens")  # clamped to the field's range; below 1 is refused
 
 
 class StreamOptions(msgspec.Struct):
@@ -68,6 +75,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 def decode(body: bytes, request_type: type):
     """Decodes a body; a 400 says what was wrong and which field (param) it was."""
+    if nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise bad_request(f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as error:
@@ -75,6 +84,8 @@ def decode(body: bytes, request_type: type):
         raise bad_request(f"invalid request: {error}", match.group(1) if match else None) from None
     except msgspec.DecodeError as error:
         raise bad_request(f"the body is not valid JSON: {error}") from None
+    except RecursionError:  # the nesting check above should have caught it; the decoder's own guard, kept polite
+        raise bad_request("the body nests arrays and objects too deeply") from None
 
 
 def completion_to_grpc(request: CompletionRequest, max_n: int) -> list[pb.GenerateRequest]:
@@ -89,6 +100,8 @@ def completion_to_grpc(request: CompletionRequest, max_n: int) -> list[pb.Genera
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
         raise bad_request("prompt: a string, or a list of token ids; send one request per prompt", "prompt")
+    if isinstance(prompt, list) and prompt and not (min(prompt) >= 0 and max(prompt) < _UINT32_END):
+        raise bad_request(f"prompt: token ids must be between 0 and {_UINT32_END - 1}", "prompt")
     sampling = _sampling(request, request.max_tokens, request.logprobs)  # unset: the API default (16, as OpenAI)
     base = pb.GenerateRequest(model=request.model, sampling=sampling)
     if isinstance(prompt, str):
@@ -124,16 +137,18 @@ def _check_common(request: SamplingFields, max_n: int) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             raise bad_request(f"{name}: penalties are not supported; leave it 0", name)
-    for name in ("max_tokens", "top_k", "seed", "logprobs", "top_logprobs", "max_completion_tokens"):
+    # Checked here because the protobuf fields they go into raise a bare ValueError ("Value out of range") that
+    # names no field. max_tokens and max_completion_tokens are clamped instead, so they only need to be positive.
+    for name, end in _INTEGER_ENDS.items():
         value = getattr(request, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-            raise bad_request(f"{name}: must not be negative, got {value}", name)
-    if request.max_tokens is not None and request.max_tokens < 1:
-        raise bad_request(f"max_tokens: must be at least 1, got {request.max_tokens}", "max_tokens")
-    if request.seed is not None and request.seed >= 2**64:
-        raise bad_request("seed: must be below 2**64", "seed")
-    if any(t < 0 for t in request.stop_token_ids or ()):
-        raise bad_request("stop_token_ids: must not be negative", "stop_token_ids")
+        if value is not None and not 0 <= value < end:
+            raise bad_request(f"{name}: must be between 0 and {end - 1}, got {value}", name)
+    for name in _CLAMPED:
+        value = getattr(request, name, None)
+        if value is not None and value < 1:
+            raise bad_request(f"{name}: must be at least 1, got {value}", name)
+    if any(not 0 <= t < _UINT32_END for t in request.stop_token_ids or ()):
+        raise bad_request(f"stop_token_ids: token ids must be between 0 and {_UINT32_END - 1}", "stop_token_ids")
 
 
 def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:

@@ -10,10 +10,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, Response, StreamingResponse
 
 from frontend.gateway.calls import GenerateCalls
 from frontend.gateway.errors import OpenAIError, from_grpc
+from frontend.gateway.json_wire import LineSafeJSONResponse
 from frontend.gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,7 +67,7 @@ class GatewayRoutes:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         shape = ResponseShape(chat, calls.model or body.model, len(grpc_requests), include_usage, wants_logprobs)
         if not body.stream:
-            return JSONResponse(await _until_disconnect(request, calls.collect(shape), calls))
+            return LineSafeJSONResponse(await _until_disconnect(request, calls.collect(shape), calls))
         return StreamingResponse(
             self._counted(calls.events(shape, self.spec.keepalive_s)),
             media_type="text/event-stream",
@@ -100,7 +101,7 @@ class GatewayRoutes:
             }
             for m in reply.models
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return LineSafeJSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -110,7 +111,7 @@ class GatewayRoutes:
         except grpc.aio.AioRpcError:
             serving = False
         if serving:
-            return JSONResponse({"status": "ok"})
+            return LineSafeJSONResponse({"status": "ok"})
         return OpenAIError(
             503, "not serving: starting, draining, or a scheduler is down", "service_unavailable"
         ).response()
@@ -123,9 +124,14 @@ class GatewayRoutes:
 
 
 def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's credentials travel on to the frontend, which decides what they may do."""
+    """The caller's credentials travel on to the frontend, which decides what they may do. gRPC metadata carries
+    printable ASCII only (it refuses anything else as an internal error), and no issued key is anything else."""
     authorization = request.headers.get("authorization")
-    return (("authorization", authorization),) if authorization else ()
+    if not authorization:
+        return ()
+    if not (authorization.isascii() and authorization.isprintable()):
+        raise OpenAIError(401, "authorization: the API key must be printable ASCII", "authentication_error")
+    return (("authorization", authorization),)
 
 
 async def _until_disconnect(request: Request, work, calls: GenerateCalls):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -14,6 +16,10 @@ class GatewaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_n: int = 8  # choices per request
     keepalive_s: float = 5.0  # an SSE comment goes out after this long without a token (a long prefill)
     shutdown_timeout_s: float = 30.0  # open streams get this long to end when the gateway is stopped
+    # A request's head must arrive within this long of the connection (or the previous response), or the connection
+    # is closed: a client trickling header bytes (slowloris) holds nothing for long.
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024  # one beyond this gets a 503 and is closed
     log_level: str = "info"
 
     def to_json(self) -> str:

@@ -1,7 +1,8 @@
 """Every message that crosses between the frontend and a scheduler, as msgspec Structs on MessagePack.
 
 Torch-free on purpose: the frontend imports this module too. Decoding checks each message against its
-schema, so bytes that are not one of these messages (a pickle included) raise DecodeError and are dropped.
+schema, unknown fields included, so bytes that are not one of these messages (a pickle included) fail to decode
+and are dropped. Receivers must catch every exception of decode(), not only DecodeError: see Codec.decode.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class AbortRequests(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fie
 
 class FrontendHello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
     """A frontend (re)connected. Requests of any earlier frontend have no reader any more: the scheduler aborts
-    them, and answers with SchedulerReady."""
+    them, and answers with SchedulerReady, then with the final deltas of those it aborted (for metering)."""
 
     frontend_id: str
+    proof: bytes  # PeerAuth.hello_proof(frontend_id): the sender read the daemon's per-boot secret
 
 
 ToScheduler = AddRequest | AbortRequests | FrontendHello
@@ -40,7 +42,7 @@ ToScheduler = AddRequest | AbortRequests | FrontendHello
 # -- scheduler -> frontend --------------------------------------------------------------------------------
 
 
-class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """The log-probability of one sampled token under the model, and optionally the top candidates."""
 
     token_id: int
@@ -48,7 +50,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
-class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
+class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """One request's progress in one engine step, as the engine emits it and the frontend reads it.
 
     Counts are authoritative and cumulative; a finish_reason ends the request.
@@ -68,7 +70,7 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True):
         return self.finish_reason is not None
 
 
-class StepOutputs(msgspec.Struct, frozen=True, tag="step"):
+class StepOutputs(msgspec.Struct, frozen=True, tag="step", forbid_unknown_fields=True):
     """Every request that gained a token (or ended) in one engine step, in one message."""
 
     worker_id: str
@@ -76,7 +78,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag="step"):
     deltas: list[RequestDelta]
 
 
-class SchedulerReady(msgspec.Struct, frozen=True, tag="ready"):
+class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fields=True):
     """Sent once the model is loaded and warm, and again on every FrontendHello."""
 
     worker_id: str
@@ -90,9 +92,10 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready"):
     num_pages: int
     page_size: int
     max_num_seqs: int  # the running batch's depth: the frontend dispatches about this many at once
+    proof: bytes  # PeerAuth.ready_proof(worker_id, incarnation): the sender read the daemon's per-boot secret
 
 
-class LoadReport(msgspec.Struct, frozen=True, tag="load"):
+class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):
     """Sent several times a second from the scheduler loop: the leading indicators routing and scaling read."""
 
     worker_id: str
@@ -109,9 +112,18 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load"):
     projected_ttft_seconds: float
     mean_step_ms: float
     sent_at: float  # time.time() of the sender
+    # The longest of the recent engine steps: reports come between steps, so the frontend allows a silence of
+    # a few of these before it calls the scheduler stuck.
+    longest_recent_step_ms: float = 0.0
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport
+
+# The most a receiving socket takes in one message (zmq.MAXMSGSIZE; a bigger one makes zmq drop the sender's
+# connection). Far above any real message: the largest are an AddRequest with a whole context's prompt (about
+# 5 bytes a token: under 1 MiB for 128k tokens) and a StepOutputs with top logprobs for a full batch (tens of
+# KiB); far below what would let one message exhaust a receiver's memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class Codec:
@@ -125,7 +137,11 @@ class Codec:
         return self._encoder.encode(message)
 
     def decode(self, data: bytes):
-        """Raises msgspec.DecodeError (or ValidationError, its subclass) for anything but a valid message."""
+        """The message, schema-checked; raises for anything else.
+
+        Usually msgspec.DecodeError (or ValidationError, its subclass), but not always: msgspec skips the values
+        that precede a tagged union's tag field recursively, so an array nested 200k deep before the tag raises
+        RecursionError whatever the schema says. Callers catch Exception."""
         return self._decoder.decode(data)
 
 

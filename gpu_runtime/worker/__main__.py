@@ -12,18 +12,26 @@ import zmq
 from common.child_process import become_child
 from common.exit_codes import EXIT_CONFIG_ERROR
 from common.logs import configure_logging
+from gpu_runtime.ipc.peer_auth import PeerAuth, read_secret
 from gpu_runtime.worker.spec import WorkerSpec
+
+_EXIT_FAILED = 1  # restarted with backoff; the daemon gives up after a few in a row
 
 
 def main(argv: list[str]) -> int:
     spec = WorkerSpec.from_json(argv[1])
     become_child(f"tokend: scheduler {spec.engine.served_model_name} {spec.group}")
     log = configure_logging("scheduler", spec.log_level).bind(worker=spec.worker_id)
+    try:  # before the model loads: without it no frontend would ever take this scheduler's ready
+        auth = PeerAuth(read_secret(spec.secret_path))
+    except (OSError, ValueError) as error:
+        log.error("secret_unreadable", error=str(error))
+        return _EXIT_FAILED
 
     import torch  # loads here, after the title is set
 
     from gpu_runtime.engine import LLMEngine
-    from gpu_runtime.worker.io_threads import InputReader, OutputWriter
+    from gpu_runtime.worker.io_threads import FrontendDisconnected, InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
     from gpu_runtime.worker.warm_up import warm_up
 
@@ -40,9 +48,10 @@ def main(argv: list[str]) -> int:
 
     context = zmq.Context()
     inbox: queue.Queue = queue.Queue()
-    reader = InputReader(context, spec.input_address, inbox, log)
-    writer = OutputWriter(context, spec.output_address, log)
-    loop = SchedulerLoop(spec, engine, inbox, writer, log)
+    reader = InputReader(context, spec.input_address, inbox, auth, log)
+    # The output thread tells the engine thread through the inbox: only the engine thread touches the engine.
+    writer = OutputWriter(context, spec.output_address, log, on_disconnect=lambda: inbox.put(FrontendDisconnected()))
+    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log)
     Path(spec.heartbeat_path).touch()  # from here on the loop keeps it fresh
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())

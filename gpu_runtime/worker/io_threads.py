@@ -9,25 +9,45 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
-import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from gpu_runtime.ipc.messages import ToFrontend, ToScheduler, frontend_codec, scheduler_codec
+from gpu_runtime.ipc.messages import (
+    MAX_MESSAGE_BYTES,
+    FrontendHello,
+    ToFrontend,
+    ToScheduler,
+    frontend_codec,
+    scheduler_codec,
+)
+from gpu_runtime.ipc.peer_auth import PeerAuth
 
-_POLL_MS = 100  # how often a blocked thread looks at its stop flag
+_POLL_MS = 100  # how often a blocked thread looks at its stop flag (and the writer at its connection)
+
+
+class FrontendDisconnected:
+    """Put in the engine thread's inbox by the output thread when the frontend's end of the link went away.
+
+    Never on the wire: the inbox's other messages are decoded from the input socket, this one is made here."""
 
 
 class InputReader(threading.Thread):
-    """Binds the scheduler's input socket and queues every valid message; anything else is logged and dropped."""
+    """Binds the scheduler's input socket and queues every valid message; anything else is logged and dropped.
 
-    def __init__(self, context: zmq.Context, address: str, inbox: queue.Queue[ToScheduler], log):
+    Nothing a peer sends can stop this thread: any failure to decode (not only DecodeError) drops the message,
+    and a FrontendHello without a genuine proof is dropped as forged."""
+
+    def __init__(self, context: zmq.Context, address: str, inbox: queue.Queue, auth: PeerAuth, log):
         super().__init__(name="scheduler-input", daemon=True)
         self._socket = context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # zmq drops a sender that goes beyond it
         self._socket.bind(address)  # binding first: a request sent before we listen waits in the sender's queue
         self._inbox = inbox
         self._codec = scheduler_codec()
+        self._auth = auth
         self._stopped = threading.Event()
         self._log = log
         self.num_dropped = 0
@@ -37,44 +57,88 @@ class InputReader(threading.Thread):
             if not self._socket.poll(_POLL_MS):
                 continue
             data = self._socket.recv(copy=True)
-            try:
-                self._inbox.put(self._codec.decode(data))
-            except msgspec.DecodeError as error:
-                # Never fall back to another decoder: unchecked bytes are how pickle exploits get in.
-                self.num_dropped += 1
-                self._log.warning("dropped_bad_message", bytes=len(data), error=str(error)[:200])
+            message = self._decode(data)
+            if message is not None:
+                self._inbox.put(message)
         self._socket.close()
 
     def stop(self) -> None:
         self._stopped.set()
 
+    def _decode(self, data: bytes) -> ToScheduler | None:
+        try:
+            message = self._codec.decode(data)
+        except Exception as error:  # RecursionError included (see Codec.decode)
+            # Never fall back to another decoder: unchecked bytes are how pickle exploits get in.
+            self.num_dropped += 1
+            self._log.warning(
+                "dropped_bad_message", bytes=len(data), error_type=type(error).__name__, error=str(error)[:200]
+            )
+            return None
+        if isinstance(message, FrontendHello) and not self._auth.hello_is_genuine(message.frontend_id, message.proof):
+            self.num_dropped += 1
+            self._log.warning("forged_message", kind="FrontendHello", frontend_id=message.frontend_id[:64])
+            return None
+        return message
+
 
 class OutputWriter(threading.Thread):
-    """Encodes and sends what the engine thread puts in the outbox, in order."""
+    """Encodes and sends what the engine thread puts in the outbox, in order.
 
-    def __init__(self, context: zmq.Context, address: str, log, high_water_mark: int = 100_000):
+    It also watches its connection to the frontend: when the frontend's end goes away (the frontend binds the
+    output socket for its whole life, so that means the process ended), it calls on_disconnect, once per loss.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        log,
+        on_disconnect: Callable[[], None] = lambda: None,
+        high_water_mark: int = 100_000,
+    ):
         super().__init__(name="scheduler-output", daemon=True)
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(address)
         self._outbox: queue.Queue[ToFrontend | None] = queue.Queue()
         self._codec = frontend_codec()
+        self._on_disconnect = on_disconnect
         self._log = log
 
     def send(self, message: ToFrontend) -> None:
         self._outbox.put(message)
 
     def run(self) -> None:
-        while (message := self._outbox.get()) is not None:
+        while True:
+            try:
+                message = self._outbox.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                self._watch_connection()
+                continue
+            if message is None:
+                break
+            self._watch_connection()
             try:
                 self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
             except zmq.Again:
                 # The frontend is gone and its queue is full; it fails those requests itself when it returns.
                 self._log.warning("dropped_output", kind=type(message).__name__)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close()
 
     def close(self) -> None:
         """Sends everything queued so far, then stops."""
         self._outbox.put(None)
         self.join(timeout=5)
+
+    def _watch_connection(self) -> None:
+        # The monitor socket lives in this thread too; the engine thread hears of a loss through its inbox only.
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._log.warning("frontend_disconnected")
+                self._on_disconnect()

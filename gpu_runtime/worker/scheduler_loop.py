@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -20,23 +21,48 @@ from gpu_runtime.ipc.messages import (
     StepOutputs,
     ToScheduler,
 )
-from gpu_runtime.worker.io_threads import OutputWriter
+from gpu_runtime.ipc.peer_auth import PeerAuth
+from gpu_runtime.worker.io_threads import FrontendDisconnected, OutputWriter
 from gpu_runtime.worker.spec import WorkerSpec
+
+_RECENT_STEPS = 64  # the load report's longest_recent_step_ms looks this many steps back
 
 
 class SchedulerLoop:
-    """Owns the engine thread's side: applies messages at step boundaries, steps, and reports load."""
+    """Owns the engine thread's side: applies messages at step boundaries, steps, and reports load.
 
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, inbox: queue.Queue[ToScheduler], outbox: OutputWriter, log):
+    Requests are taken only once a frontend has said a genuine hello (the InputReader drops forged ones). The
+    frontend sends its hello first on every connection it makes, and one connection keeps its order, so a
+    frontend loses nothing by this; a peer that skips the hello gets nothing run. A disconnect does not close
+    the gate again: what the gone frontend still had queued here runs and is orphaned at the next hello.
+
+    Requests whose frontend is gone (it disconnected, or a different one said hello) are orphans: nobody reads
+    their tokens, so they are aborted at once. Their final deltas, with the authoritative counts, are kept and
+    sent right after the SchedulerReady that answers the next hello, for the new frontend to meter.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        engine: LLMEngine,
+        inbox: queue.Queue[ToScheduler | FrontendDisconnected],
+        outbox: OutputWriter,
+        auth: PeerAuth,
+        log,
+    ):
         self.spec = spec
         self.engine = engine
         self.incarnation = uuid.uuid4().hex
         self._inbox = inbox
         self._outbox = outbox
+        self._auth = auth
         self._log = log
-        self._frontend_id: str | None = None
+        self._frontend_id: str | None = None  # of the latest genuine hello; None: no frontend has greeted us
+        self._orphan_finals: list[RequestDelta] = []  # final deltas of orphans, for the next hello's frontend
+        self._failed_kinds: set[str] = set()  # exception types already logged with a traceback
         self._stopping = threading.Event()
         self._next_report = 0.0
+        self._recent_step_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -48,6 +74,7 @@ class SchedulerLoop:
             self._drain_inputs(wait_seconds=0.0 if busy else self.spec.load_report_interval_s)
             if self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
+                self._recent_step_seconds.append(self.engine.stats.last_step_seconds)
                 if deltas:
                     self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
             self._report_when_due()
@@ -62,7 +89,7 @@ class SchedulerLoop:
             return
         deltas: list[RequestDelta] = []
         while message is not None:
-            deltas.extend(self._apply(message))
+            deltas.extend(self._apply_safely(message))
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
@@ -70,7 +97,33 @@ class SchedulerLoop:
         if deltas:
             self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
 
-    def _apply(self, message: ToScheduler) -> list[RequestDelta]:
+    def _apply_safely(self, message: ToScheduler | FrontendDisconnected) -> list[RequestDelta]:
+        """_apply, except that a message the engine chokes on costs that message only, not every request here."""
+        try:
+            return self._apply(message)
+        except Exception as error:
+            kind = type(error).__name__
+            first = kind not in self._failed_kinds
+            self._failed_kinds.add(kind)
+            # One traceback per kind of failure: a peer repeating a bad message must not flood the log.
+            self._log.error("message_failed", message=type(message).__name__, error_type=kind, error=str(error)[:200],
+                            exc_info=first)  # fmt: skip
+            if isinstance(message, AddRequest) and message.request_id not in self.engine.unfinished_request_ids():
+                num_prompt = len(message.prompt_token_ids)
+                reason = f"the scheduler failed on this request ({kind})"
+                return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, reason)]
+            return []
+
+    def _apply(self, message: ToScheduler | FrontendDisconnected) -> list[RequestDelta]:
+        if isinstance(message, FrontendHello):
+            self._greet(message.frontend_id)
+            return []
+        if isinstance(message, FrontendDisconnected):
+            self._orphan_all("frontend_disconnected")
+            return []
+        if self._frontend_id is None:
+            self._log.warning("dropped_before_hello", kind=type(message).__name__)
+            return []
         if isinstance(message, AddRequest):
             return self._add(message)
         if isinstance(message, AbortRequests):
@@ -81,8 +134,6 @@ class SchedulerLoop:
                     "request_aborted", request_id=delta.request_id, completion_tokens=delta.num_output_tokens
                 )
             return deltas
-        if isinstance(message, FrontendHello):
-            self._greet(message.frontend_id)
         return []
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
@@ -99,12 +150,24 @@ class SchedulerLoop:
     def _greet(self, frontend_id: str) -> None:
         if frontend_id != self._frontend_id and self._frontend_id is not None:
             # The previous frontend is gone, and with it every reader of our running requests.
-            orphans = self.engine.unfinished_request_ids()
-            for request_id in orphans:
-                self.engine.abort_request(request_id)
-            self._log.info("frontend_changed", aborted=len(orphans))
+            self._orphan_all("frontend_changed")
         self._frontend_id = frontend_id
         self._outbox.send(self._ready())
+        if self._orphan_finals:
+            # After the ready: the frontend takes outputs only from an incarnation it has seen say ready.
+            self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, self._orphan_finals))
+            self._log.info("orphans_reported", count=len(self._orphan_finals))
+            self._orphan_finals = []
+
+    def _orphan_all(self, reason: str) -> None:
+        """Aborts every request (their frontend is gone) and keeps their final counts for the next frontend."""
+        orphans = self.engine.unfinished_request_ids()
+        for request_id in orphans:
+            delta = self.engine.abort_request(request_id)
+            if delta is not None:
+                self._orphan_finals.append(delta)
+        if orphans:
+            self._log.info("orphans_aborted", reason=reason, aborted=len(orphans))
 
     # -- outputs --------------------------------------------------------------------------------------------
 
@@ -122,6 +185,7 @@ class SchedulerLoop:
             num_pages=engine.kv.num_pages,
             page_size=engine.kv.page_size,
             max_num_seqs=engine.config.max_num_seqs,
+            proof=self._auth.ready_proof(self.spec.worker_id, self.incarnation),
         )
 
     def _report_when_due(self) -> None:
@@ -147,6 +211,7 @@ class SchedulerLoop:
                 projected_ttft_seconds=max(projections.values(), default=0.0),
                 mean_step_ms=snapshot.mean_step_ms,
                 sent_at=time.time(),
+                longest_recent_step_ms=1e3 * max(self._recent_step_seconds, default=0.0),
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

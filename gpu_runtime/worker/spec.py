@@ -13,6 +13,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     input_address: str  # ipc:// the scheduler binds; the frontend pushes requests here
     output_address: str  # ipc:// the frontend binds; the scheduler pushes outputs here
     heartbeat_path: str  # touched by the loop while it makes progress; the daemon's watchdog reads it
+    # The daemon's per-boot secret file (gpu_runtime.ipc.peer_auth): proves our readies, checks hellos. The path,
+    # never the secret: the command line this spec travels on is visible to every user in `ps`.
+    secret_path: str
     # The whole engine, validated by the daemon: its identity (model, served_model_name, device) is this worker's.
     engine: EngineConfig
     log_level: str = "info"

@@ -1,0 +1,42 @@
+"""scripts/chaos.py with tiny counts against a real daemon: it reports its JSON, and nothing was lost."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from daemon_harness import ROOT
+
+sys.path.append(str(ROOT / "scripts"))  # the chaos package lives beside its script
+
+from chaos.cli import main  # noqa: E402
+
+FUZZ_INPUTS, FAULTS = 70, 3
+LOSS_KINDS = {"five_xx", "hung", "cut_streams", "ledger_missing", "ledger_wrong"}
+
+
+@pytest.mark.timeout(900)
+def test_a_short_chaos_run_reports_json_and_loses_nothing(tmp_path, capsys):
+    out = tmp_path / "chaos.json"
+    # In this process, so that the daemon's context manager cleans its processes up whatever happens.
+    flags = ["--fuzz-inputs", str(FUZZ_INPUTS), "--faults", str(FAULTS), "--seed", "1", "--out", str(out)]
+    exit_code = main([*flags, "--no-progress"])
+    report = json.loads(capsys.readouterr().out)
+
+    assert json.loads(out.read_text()) == report
+    assert report["config"]["fuzz_inputs"] == FUZZ_INPUTS and report["config"]["seed"] == 1
+    tried, skipped = report["inputs_tried"], report["inputs_skipped"]
+    assert set(tried) >= {"http_completions_body", "http_headers", "grpc_messages", "grpc_raw_bytes"}
+    assert sum(tried.values()) + sum(skipped.values()) == FUZZ_INPUTS
+    assert all(sum(report["outcomes"][surface].values()) == count for surface, count in tried.items())
+    assert [(f["kind"], f["process"]) for f in report["faults_injected"]] == [
+        ("kill", "scheduler"),
+        ("stop", "frontend"),
+        ("kill", "gateway"),
+    ]
+    assert report["outcomes"]["load_grpc"].get("complete") and report["outcomes"]["load_http"].get("complete")
+    assert set(report["lost"]) >= LOSS_KINDS
+    lost = {kind: bucket for kind, bucket in report["lost"].items() if bucket["count"]}
+    assert not lost, json.dumps(lost, indent=1)[:4000]
+    assert report["ok"] is True and exit_code == 0

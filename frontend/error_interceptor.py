@@ -46,8 +46,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def unexpected(error: Exception, context) -> None:
             incident = f"err-{uuid.uuid4().hex[:12]}"
-            log.error("unexpected_error", method=method, incident=incident, error=repr(error)[:300], exc_info=True)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); retry")
+            try:
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); retry")
+            except grpc.aio.AbortError:
+                log.error("unexpected_error", method=method, incident=incident, error=repr(error)[:300], exc_info=error)
+                raise
+            except Exception:
+                # No status can be set any more: the call ended under the handler (the client cancelled, or its
+                # deadline passed), and what failed was talking to a caller who is gone. Not an incident.
+                log.info("call_ended_under_handler", method=method, error=repr(error)[:200])
 
         async def unary(request, context):
             await check(request, context)

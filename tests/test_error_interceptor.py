@@ -4,6 +4,7 @@ incident id the log names once; deliberate statuses and cancellations pass throu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -22,9 +23,17 @@ class RecordingLog:
     def error(self, event: str, **fields) -> None:
         self.events.append((event, fields))
 
+    def info(self, event: str, **fields) -> None:
+        self.events.append((event, fields))
+
 
 class FaultyGeneration(pb_grpc.GenerationServicer):
     async def Generate(self, request, context):
+        if request.prompt == "outlived":
+            # Meanwhile the client cancels; a real handler can be past its last await when that lands.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.5)
+            await context.send_initial_metadata((("x-request-id", "late"),))  # fails: the call is over
         yield pb.GenerateResponse(text="first")
         if request.prompt == "deliberate":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "deliberately refused")
@@ -52,6 +61,10 @@ async def _serve_and_call(log: RecordingLog):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Abort(pb.AbortRequest(request_id="x"), timeout=10)
             outcomes["abort"] = ([], caught.value.code(), caught.value.details())
+            outlived = stub.Generate(pb.GenerateRequest(prompt="outlived"), timeout=10)
+            await asyncio.sleep(0.1)
+            outlived.cancel()
+            await asyncio.sleep(1.0)  # the handler runs on into the cancelled call
     finally:
         await server.stop(None)
     return outcomes
@@ -68,3 +81,5 @@ def test_unexpected_exceptions_become_internal_with_an_incident_logged_once():
     assert outcomes["deliberate"][1:] == (grpc.StatusCode.RESOURCE_EXHAUSTED, "deliberately refused")
     incidents = [fields["incident"] for event, fields in log.events if event == "unexpected_error"]
     assert len(incidents) == 2 and all(incident in details + abort_details for incident in incidents)
+    # A handler failing to talk to a client that already left is no incident.
+    assert [event for event, _ in log.events if event == "call_ended_under_handler"] == ["call_ended_under_handler"]

@@ -9,6 +9,7 @@ rules included, before any process starts; an error names the key.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -52,9 +53,17 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _doc("a Hugging Face model directory; repeat it (a TOML list) to serve several; unset: the embedded model"),
     ] = ()
     served_model_name: Annotated[str | None, _doc("the name clients use (one model); unset: the directory's")] = None
-    grpc_port: Annotated[int, _doc("the frontend's gRPC port, on 127.0.0.1")] = 50051
-    metrics_port: Annotated[int, _doc("Prometheus text on http://127.0.0.1:<port>/metrics; 0 turns it off")] = 9401
-    http_port: Annotated[int, _doc("the OpenAI-compatible HTTP/SSE gateway on 127.0.0.1; 0 turns it off")] = 8000
+    host: Annotated[
+        str,
+        _doc("the address the gRPC, HTTP and metrics listeners bind; beyond loopback it needs [[tenants]] or "
+             "--allow-unauthenticated"),
+    ] = "127.0.0.1"  # fmt: skip
+    allow_unauthenticated: Annotated[
+        bool, _doc("serve a non-loopback --host with no [[tenants]]: anyone who reaches it may use it")
+    ] = False
+    grpc_port: Annotated[int, _doc("the frontend's gRPC port, on --host")] = 50051
+    metrics_port: Annotated[int, _doc("Prometheus text on http://<host>:<port>/metrics; 0 turns it off")] = 9401
+    http_port: Annotated[int, _doc("the OpenAI-compatible HTTP/SSE gateway on --host; 0 turns it off")] = 8000
     http_header_timeout: Annotated[
         float, _doc("seconds an HTTP client has to send a request's headers (slowloris guard)")
     ] = 10.0
@@ -127,6 +136,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             "<hidden>",
         )
         _check_tenants(self.tenants)
+        self._check_exposure()
         _check_models(self.models, bool(self.model))
         _check(
             "log_level",
@@ -134,6 +144,29 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             "debug|info|warning|error",
             self.log_level,
         )
+
+    def _check_exposure(self) -> None:
+        """An inference port open beyond this machine with no keys is how clusters get abused: only on request."""
+        _check("host", isinstance(self.host, str) and bool(self.host.strip()), "an address to listen on", self.host)
+        if is_loopback(self.host):
+            return
+        if not self.tenants and not self.allow_unauthenticated:
+            raise ValueError(
+                f"host: {self.host!r} reaches beyond this machine and no [[tenants]] are configured, so anyone who "
+                "can reach it could use the models; configure tenants, or pass --allow-unauthenticated "
+                "(allow_unauthenticated = true) to serve it open on purpose"
+            )
+        _check(
+            "tenant_metrics",
+            not self.tenant_metrics or bool(self.metrics_token_sha256),
+            "off, or guarded by metrics_token_sha256, when --host reaches beyond loopback",
+            self.tenant_metrics,
+        )
+
+    def local_address(self, port: int) -> str:
+        """host:port where this machine's own processes reach a listener (a wildcard bind through loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def served_models(self) -> list[ModelSpec]:
         """Every model to serve, the default first: [[models]], else --model paths, else the embedded model."""
@@ -270,6 +303,15 @@ def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:
 
 def _is_sha256_hex(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def _is_number(value: object) -> bool:

@@ -43,7 +43,10 @@ def free_ports(count: int) -> list[int]:
 class LocalDaemon:
     """One `tokend serve` process tree. Use as a context manager; it is killed, whole, on exit."""
 
-    def __init__(self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None):
+    def __init__(
+        self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None, host: str = "127.0.0.1"
+    ):
+        self.host = host  # a loopback address: the tests and benchmarks reach it from here
         self.grpc_port, self.metrics_port, self.http_port = free_ports(3)
         self.state_dir = tempfile.mkdtemp(prefix="tokend-test-state-")
         self.log_path = Path(self.state_dir) / "daemon.log"
@@ -55,12 +58,12 @@ class LocalDaemon:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
         """The gateway's base URL (OpenAI clients add /v1 themselves only if given it: use http_url + "/v1")."""
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     def __enter__(self) -> LocalDaemon:
         command = [
@@ -69,6 +72,7 @@ class LocalDaemon:
             "--metrics-port", str(self.metrics_port),
             "--http-port", str(self.http_port),
             "--state-dir", self.state_dir,
+            "--host", self.host,
             *self.flags,
         ]  # fmt: skip
         env = {**os.environ, **self.extra_env, "PYTHONPATH": str(ROOT)}
@@ -136,7 +140,7 @@ class LocalDaemon:
 
     def metric(self, name: str, **labels: str) -> float:
         """A /metrics sample (e.g. 'tokend:num_requests_running'), summed over the series matching the labels."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=5).read().decode()
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)

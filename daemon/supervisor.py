@@ -102,7 +102,13 @@ class Supervisor:
                 if self._frontend_is_serving() and self._gateway_is_serving():
                     self._serving = True
                     self.notifier.ready()
-                    self.log.info("serving", grpc_port=self.config.grpc_port, metrics_port=self.config.metrics_port)
+                    self.log.info(
+                        "serving",
+                        host=self.config.host,
+                        grpc_port=self.config.grpc_port,
+                        http_port=self.config.http_port,
+                        metrics_port=self.config.metrics_port,
+                    )
             interval = self.notifier.watchdog_interval_s
             if interval and now >= next_watchdog and self._schedulers_progressing():
                 next_watchdog = now + interval
@@ -131,7 +137,7 @@ class Supervisor:
         import grpc  # only the supervisor's readiness probe needs it
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(f"127.0.0.1:{self.config.grpc_port}") as channel:
+        with grpc.insecure_channel(self.config.local_address(self.config.grpc_port)) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             except grpc.RpcError:
@@ -142,7 +148,8 @@ class Supervisor:
         if self.gateway is None:
             return True
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.config.http_port}/health", timeout=1.0) as reply:
+            url = f"http://{self.config.local_address(self.config.http_port)}/health"
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
                 return reply.status == 200
         except OSError:  # refused, or an HTTP error status
             return False
@@ -181,8 +188,9 @@ class Supervisor:
 
     def _gateway_child(self) -> Child:
         spec = GatewaySpec(
-            grpc_address=f"127.0.0.1:{self.config.grpc_port}",
+            grpc_address=self.config.local_address(self.config.grpc_port),
             http_port=self.config.http_port,
+            host=self.config.host,
             shutdown_timeout_s=5.0,  # by the time it is stopped, the frontend has drained
             header_timeout_s=self.config.http_header_timeout,
             max_connections=self.config.http_max_connections,
@@ -224,6 +232,7 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
     served = config.served_models()
     return FrontendSpec(
         grpc_port=config.grpc_port,
+        host=config.host,
         metrics_port=config.metrics_port or None,
         output_address=f"ipc://{runtime_dir}/frontend.ipc",
         schedulers=[

@@ -102,8 +102,8 @@ class FrontendMetrics:
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}
 
-    def serve(self, port: int, token_sha256: str = "") -> None:
-        start_metrics_server(port, self.registry, token_sha256)
+    def serve(self, host: str, port: int, token_sha256: str = "") -> None:
+        start_metrics_server(host, port, self.registry, token_sha256)
 
     def observe_load(self, model_name: str, group: str, report: LoadReport) -> None:
         labels = (model_name, group)

@@ -1,9 +1,10 @@
-"""The /metrics listener: Prometheus text on loopback, behind a bearer token when the operator configures one."""
+"""The /metrics listener: Prometheus text on the daemon's host, behind a bearer token when the operator sets one."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -15,17 +16,22 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a slow scraper never holds up the frontend's exit
 
 
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # noqa: A002 (the stdlib's name)
         pass  # one line per scrape on stderr is noise; the frontend logs JSON only
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, token_sha256: str = "") -> WSGIServer:
-    """Serves the registry on 127.0.0.1:port from a daemon thread; raises OSError when the port is taken."""
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry, token_sha256: str = "") -> WSGIServer:
+    """Serves the registry on host:port from a daemon thread; raises OSError when the port is taken."""
     app = make_wsgi_app(registry)
     if token_sha256:
         app = _require_bearer(app, token_sha256)
-    server = make_server("127.0.0.1", port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    server_class = _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
+    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 

@@ -31,6 +31,10 @@ class PortInUse(Exception):
     pass
 
 
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def serve(spec: FrontendSpec, log) -> None:
     """Serves until SIGTERM/SIGINT, then drains: in-flight streams get up to drain_timeout_s to finish."""
     metrics = FrontendMetrics(spec.tenant_metrics)
@@ -76,18 +80,19 @@ async def serve(spec: FrontendSpec, log) -> None:
     ]
     reflection.enable_server_reflection(service_names, server)
     try:
-        server.add_insecure_port(f"127.0.0.1:{spec.grpc_port}")
+        server.add_insecure_port(host_port(spec.host, spec.grpc_port))
     except RuntimeError as error:
-        raise PortInUse(f"grpc_port: cannot listen on 127.0.0.1:{spec.grpc_port} ({error})") from None
+        raise PortInUse(f"grpc_port: cannot listen on {host_port(spec.host, spec.grpc_port)} ({error})") from None
     await lifecycle.refresh_health()  # NOT_SERVING until every scheduler said it is ready
     await link.start()
     await server.start()
     checkpoints = asyncio.create_task(meter.checkpoint_forever(), name="usage-checkpoints")
     if spec.metrics_port is not None:
         try:
-            metrics.serve(spec.metrics_port, spec.metrics_token_sha256)
+            metrics.serve(spec.host, spec.metrics_port, spec.metrics_token_sha256)
         except OSError as error:
-            raise PortInUse(f"metrics_port: cannot listen on 127.0.0.1:{spec.metrics_port} ({error})") from None
+            where = host_port(spec.host, spec.metrics_port)
+            raise PortInUse(f"metrics_port: cannot listen on {where} ({error})") from None
     log.info("frontend_listening", grpc_port=spec.grpc_port, metrics_port=spec.metrics_port)
 
     stop = asyncio.Event()

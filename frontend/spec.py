@@ -78,6 +78,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state_dir: str = "."  # where the usage ledger lives
     aliases: dict[str, str] = {}  # another name of a model -> its name
     admission: AdmissionSpec = AdmissionSpec()
+    host: str = "127.0.0.1"  # where the gRPC and metrics listeners bind
     tenant_metrics: bool = False  # per-tenant series on /metrics (tenant names and usage)
     metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none
 

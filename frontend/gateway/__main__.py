@@ -17,7 +17,7 @@ def run_gateway(spec: GatewaySpec) -> int:
     log = configure_logging("gateway", spec.log_level)
     config = uvicorn.Config(
         build_app(spec),
-        host="127.0.0.1",
+        host=spec.host,
         port=spec.http_port,
         loop="uvloop",
         # h11, with a deadline for request heads and a cap on connections that uvicorn does not have itself.

@@ -9,7 +9,8 @@ import msgspec
 
 class GatewaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grpc_address: str  # the frontend, e.g. 127.0.0.1:50051
-    http_port: int = 8000  # listens on 127.0.0.1 only
+    http_port: int = 8000
+    host: str = "127.0.0.1"  # where it listens (the daemon's --host)
     max_body_bytes: int = 4 * 1024 * 1024  # the frontend's own message limit
     max_header_count: int = 100
     max_header_bytes: int = 32 * 1024

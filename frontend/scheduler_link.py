@@ -160,10 +160,6 @@ class SchedulerLink:
         self._send(scheduler, message)
         return stream
 
-    def owner(self, request_id: str) -> str | None:
-        stream = self._streams.get(request_id)
-        return stream.tenant if stream else None
-
     def abort(self, request_id: str) -> bool:
         """Asks the request's scheduler to drop it; its final counts still arrive on its stream."""
         stream = self._streams.get(request_id)

@@ -155,13 +155,18 @@ class RecordingOutbox:
         return [d for m in steps for d in m.deltas if d.request_id == request_id]
 
 
-def test_the_loop_takes_requests_only_after_a_hello_and_reports_orphans_to_the_next_frontend(engine, tmp_path):
+def _scheduler_loop(engine, tmp_path):
+    """A SchedulerLoop on the engine with in-memory queues in place of its sockets, and what it talks through."""
     auth = PeerAuth(b"k" * 32)
     spec = WorkerSpec(worker_id="m/0", group="0", input_address="ipc://unused", output_address="ipc://unused",
                       heartbeat_path=str(tmp_path / "alive"), secret_path="unused", engine=EngineConfig())  # fmt: skip
     (tmp_path / "alive").touch()
     inbox, outbox, log = queue.Queue(), RecordingOutbox(), RecordingLog()
-    loop = SchedulerLoop(spec, engine, inbox, outbox, auth, log)
+    return SchedulerLoop(spec, engine, inbox, outbox, auth, log), inbox, outbox, log, auth
+
+
+def test_the_loop_takes_requests_only_after_a_hello_and_reports_orphans_to_the_next_frontend(engine, tmp_path):
+    loop, inbox, outbox, log, auth = _scheduler_loop(engine, tmp_path)
     long = SamplingParams(max_tokens=900, ignore_eos=True, temperature=0)
     thread = threading.Thread(target=loop.run)
     thread.start()
@@ -192,12 +197,7 @@ def test_the_loop_takes_requests_only_after_a_hello_and_reports_orphans_to_the_n
 
 
 def test_a_request_the_engine_chokes_on_fails_alone(engine, tmp_path, monkeypatch):
-    auth = PeerAuth(b"k" * 32)
-    spec = WorkerSpec(worker_id="m/0", group="0", input_address="ipc://unused", output_address="ipc://unused",
-                      heartbeat_path=str(tmp_path / "alive"), secret_path="unused", engine=EngineConfig())  # fmt: skip
-    (tmp_path / "alive").touch()
-    inbox, outbox, log = queue.Queue(), RecordingOutbox(), RecordingLog()
-    loop = SchedulerLoop(spec, engine, inbox, outbox, auth, log)
+    loop, inbox, outbox, log, auth = _scheduler_loop(engine, tmp_path)
     real_add = engine.add_request
 
     def choking_add(request_id, *args):

@@ -2,7 +2,9 @@
 
 Libraries that log through the standard library (uvicorn, grpc) get the same JSON lines, so an operator's
 log pipeline parses every line the daemon writes. Never log an API key or prompt text at info level; request
-ids are what ties a request's lines together.
+ids are what ties a request's lines together: code that handles one request binds its id once
+(`structlog.contextvars.bind_contextvars(request_id=...)`, or `bound_contextvars` around the work) and every line
+logged in that task, and in the tasks it starts, carries it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def configure_logging(process: str, level: str = "info") -> structlog.stdlib.Bou
     _route_library_logs(process, numeric_level, timestamper)
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            structlog.contextvars.merge_contextvars,  # what the code handling a request bound: its request_id
+            _tag_process(process),
             structlog.processors.add_log_level,
             timestamper,
             structlog.processors.format_exc_info,
@@ -36,6 +39,16 @@ def configure_logging(process: str, level: str = "info") -> structlog.stdlib.Bou
         cache_logger_on_first_use=True,
     )
     return structlog.get_logger().bind(process=process)
+
+
+def _tag_process(process: str):
+    """Every line names its process, also those of a logger got without binding it (the model loader's)."""
+
+    def tag(_logger, _method, event_dict: dict) -> dict:
+        event_dict.setdefault("process", process)
+        return event_dict
+
+    return tag
 
 
 def _route_library_logs(process: str, level: int, timestamper) -> None:

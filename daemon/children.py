@@ -23,6 +23,7 @@ class Child:
     module: str
     spec_json: str
     heartbeat_path: Path | None = None  # schedulers touch it while their loop runs
+    listening_path: Path | None = None  # the frontend and gateway create it once their listeners are bound
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     consecutive_failures: int = 0
@@ -34,9 +35,10 @@ class Child:
         env = dict(os.environ, **self.env)
         # Children import this project's packages whatever the working directory or installation.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PROJECT_ROOT, env.get("PYTHONPATH")]))
-        if self.heartbeat_path is not None:
-            # The new process's loop creates it again: until then the child is starting, not progressing.
-            self.heartbeat_path.unlink(missing_ok=True)
+        # The new process creates them again: until then it is starting, neither progressing nor listening.
+        for marker in (self.heartbeat_path, self.listening_path):
+            if marker is not None:
+                marker.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", self.module, self.spec_json], env=env)
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -59,6 +61,11 @@ class Child:
         self.process = None
         self.num_restarts += 1
         return delay
+
+    @property
+    def is_listening(self) -> bool:
+        """True once this incarnation said its listeners are bound (always, for a child that has none)."""
+        return self.listening_path is None or self.listening_path.exists()
 
     def heartbeat_age(self, now_wall: float) -> float | None:
         """Seconds since the child's loop last moved; None while it has not started looping (loading a model)."""

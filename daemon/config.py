@@ -20,9 +20,8 @@ import msgspec
 
 from daemon import config_flags
 from frontend.spec import AdmissionSpec, TenantSpec
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME, MODEL_REFERENCE, is_model_reference, served_name
 from gpu_runtime.engine_config import EngineConfig
-
-DEFAULT_MODEL_NAME = "tokend-tiny-random"  # gpu_runtime.default_model's; repeated to keep torch out of here
 
 
 def _default_state_dir() -> str:
@@ -40,7 +39,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One served model: a `[[models]]` table of the TOML file."""
 
     name: str  # what clients put in `model`
-    path: str | None = None  # a Hugging Face directory; unset: the embedded default model
+    path: str | None = None  # a checkpoint directory, a .gguf file or a built-in model's name; unset: the default
     aliases: list[str] = []  # other names that reach it
     groups: list[str] = []  # devices, one scheduler each; empty: those of `device`
 
@@ -50,7 +49,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     model: Annotated[
         tuple[str, ...],
-        _doc("a Hugging Face model directory; repeat it (a TOML list) to serve several; unset: the embedded model"),
+        _doc(f"{MODEL_REFERENCE}; repeat it (a TOML list) to serve several; unset: {DEFAULT_MODEL_NAME}, the default"),
     ] = ()
     served_model_name: Annotated[str | None, _doc("the name clients use (one model); unset: the directory's")] = None
     host: Annotated[
@@ -68,6 +67,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         float, _doc("seconds an HTTP client has to send a request's headers (slowloris guard)")
     ] = 10.0
     http_max_connections: Annotated[int, _doc("open HTTP connections at once; one more gets a 503")] = 1024
+    tenants_file: Annotated[
+        str,
+        _doc("a TOML file of [[tenants]] tables kept apart from the config (a Kubernetes Secret, a 0600 file), "
+             "added to the config's own"),
+    ] = ""  # fmt: skip
     tenant_metrics: Annotated[
         bool, _doc("per-tenant series (tenant names and their usage) on /metrics; off: the ledger alone has them")
     ] = False
@@ -110,7 +114,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, _is_int(value) and low <= value <= 65535, f"an integer in [{low}, 65535]", value)
         _check("model", all(isinstance(m, str) and m for m in self.model), "paths to model directories", self.model)
         for path in self.model:
-            _check("model", Path(path, "config.json").is_file(), "a directory with a config.json", path)
+            _check("model", is_model_reference(path), MODEL_REFERENCE, path)
         _check(
             "served_model_name",
             self.served_model_name is None or (self.served_model_name and len(self.model) <= 1),
@@ -173,7 +177,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.models:
             return list(self.models)
         if self.model:
-            return [ModelSpec(self.served_model_name or Path(path).name, path) for path in self.model]
+            return [ModelSpec(self.served_model_name or served_name(path), path) for path in self.model]
         return [ModelSpec(DEFAULT_MODEL_NAME)]
 
     @property
@@ -213,7 +217,7 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
     included, runs here. Raises ValueError naming the bad key."""
     values: dict[str, object] = {}
     if getattr(args, "config", None) is not None:
-        values.update(_read_toml(args.config))
+        values.update(_read_config_file(args.config))
     values.update(config_flags.from_env(ALL_OPTIONS, environ))
     values.update(config_flags.from_flags(ALL_OPTIONS, args))
     if isinstance(values.get("model"), str):
@@ -221,6 +225,8 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
     if "model" in values:
         _check("model", isinstance(values["model"], list), "a path or a list of paths", values["model"])
         values["model"] = tuple(values["model"])
+    if values.get("tenants_file"):
+        values["tenants"] = [*values.get("tenants", []), *_read_tenants_file(Path(str(values["tenants_file"])))]
     for key, spec_type in (("tenants", TenantSpec), ("models", ModelSpec)):
         if key in values:
             values[key] = _tables(values[key], spec_type, key)
@@ -233,18 +239,32 @@ def _take(values: dict[str, object], options: list[config_flags.Option]) -> dict
     return {o.key: values.pop(o.key) for o in options if o.key in values}
 
 
-def _read_toml(path: Path) -> dict[str, object]:
+def _read_toml(path: Path, key: str = "config") -> dict[str, object]:
     try:
         with path.open("rb") as file:
-            data = tomllib.load(file)
+            return tomllib.load(file)
     except OSError as error:
-        raise ValueError(f"config: cannot read {path}: {error.strerror}") from None
+        raise ValueError(f"{key}: cannot read {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"config: {path} is not valid TOML: {error}") from None
+        raise ValueError(f"{key}: {path} is not valid TOML: {error}") from None
+
+
+def _read_config_file(path: Path) -> dict[str, object]:
+    data = _read_toml(path)
     unknown = sorted(set(data) - TOML_KEYS)
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown key in {path}; known keys: {sorted(TOML_KEYS)}")
     return data
+
+
+def _read_tenants_file(path: Path) -> list[object]:
+    data = _read_toml(path, "tenants_file")
+    unknown = sorted(set(data) - {"tenants"})
+    if unknown:
+        raise ValueError(f"tenants_file: {path} may hold only [[tenants]] tables, not {unknown[0]!r}")
+    tenants = data.get("tenants", [])
+    _check("tenants_file", isinstance(tenants, list), "[[tenants]] tables", tenants)
+    return tenants
 
 
 def _tables(tables: object, spec_type: type, key: str) -> tuple:
@@ -267,9 +287,7 @@ def _check_models(models: tuple[ModelSpec, ...], has_model_paths: bool) -> None:
             _check(f"{key}.name", bool(name) and name not in names, "names and aliases unique and non-empty", name)
             names.add(name)
         if model.path is not None:
-            _check(
-                f"{key}.path", Path(model.path, "config.json").is_file(), "a directory with a config.json", model.path
-            )
+            _check(f"{key}.path", is_model_reference(model.path), MODEL_REFERENCE, model.path)
         _check(f"{key}.groups", all(model.groups), "a list of devices", model.groups)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -11,15 +12,17 @@ import grpc
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
+API_KEY_ENV = "TOKEND_API_KEY"
+
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Streams each prompt's text to stdout as it decodes, then its usage to stderr."""
+    """Streams each prompt's text to stdout as it decodes, then its usage and request id to stderr."""
+    metadata = _auth_metadata(args.api_key or os.environ.get(API_KEY_ENV, ""))
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for prompt in args.prompts:
             request = pb.GenerateRequest(
                 model=args.model or "",
-                prompt=prompt,
                 sampling=pb.SamplingParams(
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
@@ -29,10 +32,15 @@ def run_generate(args: argparse.Namespace) -> int:
                     stop=args.stop,
                 ),
             )
+            if args.chat:  # the frontend renders it with the model's chat template
+                request.chat.messages.add(role="user", content=prompt)
+            else:
+                request.prompt = prompt
             started = time.perf_counter()
             last = None
+            call = stub.Generate(request, timeout=args.timeout, metadata=metadata)
             try:
-                for chunk in stub.Generate(request, timeout=args.timeout):
+                for chunk in call:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     last = chunk
@@ -41,16 +49,30 @@ def run_generate(args: argparse.Namespace) -> int:
                 return 1
             seconds = time.perf_counter() - started
             usage = last.usage
+            request_id = dict(call.initial_metadata() or ()).get("x-request-id", "")
             print(
                 f"\n[{last.model}: {usage.prompt_tokens} prompt tokens ({usage.cached_tokens} cached), "
-                f"{usage.completion_tokens} completion tokens, finish_reason={last.finish_reason}, {seconds:.2f} s]",
+                f"{usage.completion_tokens} completion tokens, finish_reason={last.finish_reason}, {seconds:.2f} s, "
+                f"request_id={request_id}]",
                 file=sys.stderr,
             )
     return 0
 
 
+def _auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    """What the frontend authenticates tenants by; no key: none sent (a daemon without tenants needs none)."""
+    if not api_key:
+        return ()
+    # gRPC metadata is printable ASCII: anything else would fail inside the channel, far from the cause.
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise ValueError(f"api_key: must be printable ASCII (--api-key or ${API_KEY_ENV})")
+    return (("authorization", f"Bearer {api_key}"),)
+
+
 def run_offline_generate(args: argparse.Namespace) -> int:
     """Generates all prompts in one batch in this process, through the offline LLM API."""
+    if args.chat:
+        raise ValueError("chat: --chat needs a daemon (its frontend renders the chat template); not with --offline")
     from gpu_runtime import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -62,7 +84,8 @@ def run_offline_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     started = time.perf_counter()
-    outputs = llm.generate(args.prompts, params)
+    # A progress bar on a terminal only: piped or in CI, stderr stays quiet.
+    outputs = llm.generate(args.prompts, params, use_tqdm=sys.stderr.isatty())
     seconds = time.perf_counter() - started
     engine = llm.engine
     print(f"model {engine.model_name} on {engine.device} ({engine.dtype}), {engine.kv.num_pages} KV pages")

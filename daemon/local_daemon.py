@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from frontend.usage_ledger import LEDGER_FILE, connect
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -40,8 +42,29 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def _model_flags(flags: tuple[str, ...], env: dict[str, str]) -> list[str]:
+    """`--model tokend-tiny-random`, unless the caller chose the model: a --model flag, $TOKEND_MODEL, or a
+    --config file with `model` or [[models]]. Tests and benchmarks want a model quick to load and to run, where
+    the real default (SmolLM2-135M-Instruct) would cost seconds per daemon."""
+    if "TOKEND_MODEL" in env or any(f == "--model" or f.startswith("--model=") for f in flags):
+        return []
+    for index, flag in enumerate(flags):
+        path = flag.removeprefix("--config=") if flag.startswith("--config=") else None
+        if flag == "--config" and index + 1 < len(flags):
+            path = flags[index + 1]
+        if path is not None:
+            try:
+                with open(path, "rb") as file:
+                    if {"model", "models"} & set(tomllib.load(file)):
+                        return []
+            except (OSError, tomllib.TOMLDecodeError):
+                return []  # the daemon itself reports a bad config file
+    return ["--model", TINY_RANDOM_MODEL_NAME]
+
+
 class LocalDaemon:
-    """One `tokend serve` process tree. Use as a context manager; it is killed, whole, on exit."""
+    """One `tokend serve` process tree. Use as a context manager; it is killed, whole, on exit. It serves
+    tokend-tiny-random unless the flags, the environment or the config file name a model."""
 
     def __init__(
         self, *flags: str, ready_timeout: float = 120.0, env: dict[str, str] | None = None, host: str = "127.0.0.1"
@@ -73,9 +96,9 @@ class LocalDaemon:
             "--http-port", str(self.http_port),
             "--state-dir", self.state_dir,
             "--host", self.host,
-            *self.flags,
         ]  # fmt: skip
         env = {**os.environ, **self.extra_env, "PYTHONPATH": str(ROOT)}
+        command += [*_model_flags(self.flags, env), *self.flags]
         with self.log_path.open("wb") as log:
             # Its own session, so that cleanup can kill the whole tree whatever state it is in.
             self.process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)

@@ -16,6 +16,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as error:
         print(f"tokend serve: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    from daemon.listeners import first_unavailable, listeners_of
+
+    unavailable = first_unavailable(listeners_of(config))
+    if unavailable:  # before any model load: a port someone else holds is the operator's to free
+        print(f"tokend serve: {unavailable}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     import setproctitle
 
     from daemon.supervisor import Supervisor

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import urllib.request
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import msgspec
 
-from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR, EXIT_TEMPORARY
+from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR
 from daemon.children import Child
 from daemon.config import ServeConfig
+from daemon.listeners import banner, listeners_of
 from daemon.systemd_notify import SystemdNotifier
 from frontend.gateway.spec import GatewaySpec
-from frontend.spec import FrontendSpec, SchedulerAddress
+from frontend.spec import METRICS_SOCKET_FILE, FrontendSpec, SchedulerAddress
 from gpu_runtime.ipc.peer_auth import SECRET_FILE, write_secret
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -88,10 +90,10 @@ class Supervisor:
                 code = child.poll()
                 if code is None:
                     continue
-                if code == EXIT_CONFIG_ERROR:
+                if code == EXIT_CONFIG_ERROR:  # the child logged why (a taken port, a bad model)
                     self.log.error("configuration_error", child=child.name)
                     return EXIT_CONFIG_ERROR
-                if code == EXIT_TEMPORARY or child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
+                if child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
                     self.log.error("cannot_serve", child=child.name, exit_code=code)
                     return EXIT_CANNOT_SERVE
                 delay = child.schedule_restart(now)
@@ -99,16 +101,9 @@ class Supervisor:
             self._kill_stalled_schedulers()
             if not self._serving and now >= next_probe:
                 next_probe = now + _HEALTH_PROBE_EVERY_S
-                if self._frontend_is_serving() and self._gateway_is_serving():
+                if self._is_serving():
                     self._serving = True
-                    self.notifier.ready()
-                    self.log.info(
-                        "serving",
-                        host=self.config.host,
-                        grpc_port=self.config.grpc_port,
-                        http_port=self.config.http_port,
-                        metrics_port=self.config.metrics_port,
-                    )
+                    self._announce_serving()
             interval = self.notifier.watchdog_interval_s
             if interval and now >= next_watchdog and self._schedulers_progressing():
                 next_watchdog = now + interval
@@ -132,6 +127,27 @@ class Supervisor:
         now_wall = time.time()
         ages = [child.heartbeat_age(now_wall) for child in self.schedulers]
         return all(age is not None and age <= self.config.stall_timeout for age in ages)
+
+    def _is_serving(self) -> bool:
+        """Our own listeners are bound (so the probes below reach our processes, not whoever held a port before
+        us), and every one answers as serving."""
+        listening = self.frontend.is_listening and (self.gateway is None or self.gateway.is_listening)
+        return listening and self._frontend_is_serving() and self._gateway_is_serving()
+
+    def _announce_serving(self) -> None:
+        self.notifier.ready()
+        listeners = listeners_of(self.config)
+        self.log.info(
+            "serving",
+            host=self.config.host,
+            grpc_port=self.config.grpc_port,
+            http_port=self.config.http_port,
+            metrics_port=self.config.metrics_port,
+            urls={listener.key.removesuffix("_port"): listener.url for listener in listeners},
+        )
+        if sys.stderr.isatty():  # a person at a terminal: the JSON above is for the journal
+            models = [model.name for model in self.config.served_models()]
+            print(banner(models, listeners), file=sys.stderr, flush=True)
 
     def _frontend_is_serving(self) -> bool:
         import grpc  # only the supervisor's readiness probe needs it
@@ -184,7 +200,8 @@ class Supervisor:
 
     def _frontend_child(self) -> Child:
         workers = [WorkerSpec.from_json(child.spec_json) for child in self.schedulers]
-        return Child("frontend", "frontend", frontend_spec(self.config, self.runtime_dir, workers).to_json())
+        spec = frontend_spec(self.config, self.runtime_dir, workers)
+        return Child("frontend", "frontend", spec.to_json(), listening_path=Path(spec.listening_path))
 
     def _gateway_child(self) -> Child:
         spec = GatewaySpec(
@@ -195,8 +212,11 @@ class Supervisor:
             header_timeout_s=self.config.http_header_timeout,
             max_connections=self.config.http_max_connections,
             log_level=self.config.log_level,
+            listening_path=str(self.runtime_dir / "gateway.listening"),
+            metrics_socket=str(self.runtime_dir / METRICS_SOCKET_FILE),
+            metrics_token_sha256=self.config.metrics_token_sha256,
         )
-        return Child("gateway", "frontend.gateway", spec.to_json())
+        return Child("gateway", "frontend.gateway", spec.to_json(), listening_path=Path(spec.listening_path))
 
 
 def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
@@ -249,6 +269,8 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
         admission=config.admission,
         tenant_metrics=config.tenant_metrics,
         metrics_token_sha256=config.metrics_token_sha256,
+        listening_path=str(runtime_dir / "frontend.listening"),
+        metrics_socket=str(runtime_dir / METRICS_SOCKET_FILE),
     )
 
 

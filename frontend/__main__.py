@@ -7,7 +7,7 @@ import sys
 import uvloop
 
 from common.child_process import become_child
-from common.exit_codes import EXIT_TEMPORARY
+from common.exit_codes import EXIT_CONFIG_ERROR
 from common.logs import configure_logging
 from frontend.server import PortInUse, serve
 from frontend.spec import FrontendSpec
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
         uvloop.run(serve(spec, log))
     except PortInUse as error:
         log.error("cannot_listen", error=str(error))
-        return EXIT_TEMPORARY
+        return EXIT_CONFIG_ERROR  # never a restart loop: the port stays taken until someone acts
     return 0
 
 

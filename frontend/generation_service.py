@@ -7,15 +7,17 @@ import time
 import uuid
 
 import grpc
+import structlog
 
+from common.chat_template import ChatTemplateError, chat_options
 from frontend.admission import AdmissionController, Shed
 from frontend.auth_interceptor import calling_tenant
-from frontend.chat_template import ChatTemplateError
 from frontend.errors import RequestError, invalid
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter, status_of
 from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
+from frontend.request_phases import RequestPhases
 from frontend.request_stream import ChunkBuilder
 from frontend.scheduler_link import RequestStream, SchedulerLink, SchedulerLost
 from frontend.spec import TenantSpec
@@ -64,6 +66,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._tokenize = tokenize
         # (tenant, request id) of every request from arrival to its end -> its record id, the id schedulers see
         self._record_ids: dict[tuple[str, str], str] = {}
+        self._phases: dict[str, RequestPhases] = {}  # record id -> its timings, from its dispatch to its end
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.monotonic()
@@ -105,6 +108,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         prepared = prepare(request, model, await self._prompt_token_ids(request, model, tokenizer))
         priority = resolve_priority(tenant, prepared.priority)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        # Every log line of this call's task (and of the tasks it starts) from here on carries the id.
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         # Request ids are the client's own, per tenant: another tenant's ids neither collide with them nor are
         # revealed by a refusal. Schedulers know the request by its usage record's id, unique across restarts.
         key = (tenant.name if tenant else "", request_id)
@@ -113,9 +118,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         record_id = self._record_ids[key] = self._meter.new_record_id()
         cost = len(prepared.prompt_token_ids) + prepared.sampling.max_tokens
         try:
+            admission_began = time.monotonic()
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
             message = AddRequest(record_id, prepared.prompt_token_ids, prepared.sampling, priority, cache_salt(tenant))
             stream = self._link.submit(scheduler, message, key[0] or None, cost)
+            submitted = time.monotonic()
+            self._phases[record_id] = RequestPhases(submitted - admission_began, submitted)
         except Shed:
             del self._record_ids[key]
             await self._meter.record_shed(record_id, request_id, key[0] or None, model_name, priority)
@@ -155,15 +163,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         if template is None:
             raise invalid(f"chat: model {ready.model_name!r} has no chat template; send a prompt instead")
         try:
-            return await template.render_async(chat_messages(request))
+            return await template.render_async(chat_messages(request), **chat_options(request.chat))
         except ChatTemplateError as error:
             raise invalid(f"chat.{error}") from None
 
     async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, arrived: float):
         last_token_at = None
+        phases = self._phases.get(stream.request_id) or RequestPhases(0.0, arrived)
         while not builder.finished:
             deltas = await _next_deltas(stream)
             now = time.monotonic()
+            phases.on_deltas(deltas, now)
             chunk = builder.build(deltas)
             self._meter.progress(record, builder.last_delta)
             if builder.stopped_by_string and not stream.finished:
@@ -180,6 +190,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                 last_token_at = now
             if builder.finished:
                 self._metrics.e2e_request_latency.labels(builder.model_name).observe(now - arrived)
+                last = builder.last_delta
+                self._metrics.observe_finished(builder.model_name, phases, last.num_prompt_tokens,
+                                               last.num_output_tokens)  # fmt: skip
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
                 reason = builder.finish_reason
                 await self._close(stream, record, status_of(reason), reason, builder.last_delta)
@@ -234,6 +247,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _forget(self, stream: RequestStream, record: UsageRecord) -> None:
         """The request no longer holds a scheduler slot: the next queued one may go."""
         self._record_ids.pop((record.tenant, record.request_id), None)
+        self._phases.pop(stream.request_id, None)
         if self._link.is_in_flight(stream.request_id):
             self._link.forget(stream)
             self._admission.release(stream.scheduler.address.model_name, stream.tenant, stream.priority)
@@ -259,6 +273,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     max_model_len=ready.max_model_len if ready else 0,
                     vocab_size=ready.vocab_size if ready else 0,
                     ready=ready is not None,
+                    aliases=[alias for alias, target in self._models.aliases.items() if target == name],
                 )
             )
         return pb.ListModelsResponse(models=models)

@@ -2,6 +2,10 @@
 
 Health has one service per served model (its name), SERVING while some scheduler of the model is live, and the
 whole server's ("" and tokend.v1.Generation), SERVING while every scheduler is; all NOT_SERVING once draining.
+"liveness" is SERVING for as long as the frontend answers at all: a liveness probe (Kubernetes) must not restart a
+daemon that is only reloading a crashed scheduler or draining, which the daemon handles itself. So are the services
+that answer whatever the schedulers do, draining included: tokend.v1.Admin (Drain and GetLoad are what an operator
+uses then), health itself and reflection; every service the server serves has a health status.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from frontend.errors import RequestError
+from frontend.grpc_reflection import SERVICE_NAMES as REFLECTION_SERVICE_NAMES
 from frontend.scheduler_link import SchedulerLink
 
 SERVICE_NAMES = ("", "tokend.v1.Generation")
+LIVENESS_SERVICE = "liveness"
+ALWAYS_SERVING = (LIVENESS_SERVICE, "tokend.v1.Admin", "grpc.health.v1.Health", *REFLECTION_SERVICE_NAMES)
 
 
 class Lifecycle:
@@ -49,6 +56,8 @@ class Lifecycle:
         asyncio.get_running_loop().create_task(self.refresh_health())
 
     async def refresh_health(self) -> None:
+        for service in ALWAYS_SERVING:
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         for service in SERVICE_NAMES:
             await self._health.set(service, _status(self.is_serving))
         for model_name in dict.fromkeys(s.address.model_name for s in self._link.schedulers):

@@ -6,17 +6,27 @@ totals are observed here, where the client's experience is.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from frontend.metrics_server import start_metrics_server
+from frontend.iteration_tokens import IterationTokens
+from frontend.metrics_server import start_metrics_server, start_socket_metrics_server
+from frontend.request_phases import RequestPhases
+from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import LoadReport
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's request phase buckets (from 0.3 s up), with finer ones below: a small model's phases take milliseconds.
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                  40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM's 1-2-5 series (it stops at the model's context length; several models share these).
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 
 class FrontendMetrics:
     def __init__(self, tenant_metrics: bool = False) -> None:
+        # Process-wide: a `_created` series per counter and histogram doubles the text and no dashboard reads it.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         scheduler = ["model_name", "group"]
         model = ["model_name"]
@@ -69,6 +79,47 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             "tokend:e2e_request_latency_seconds", "Arrival to last token", model, buckets=_E2E_BUCKETS, registry=r
         )
+        # vLLM's request phases, observed once per finished request (queue + inference ~= e2e, less tokenizing).
+        self.request_queue_time = Histogram(
+            "tokend:request_queue_time_seconds",
+            "Waiting: in the frontend's admission, then in the scheduler's queue, until its first scheduled step",
+            model,
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.request_prefill_time = Histogram(
+            "tokend:request_prefill_time_seconds",
+            "First scheduled step to first token",
+            model,
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.request_decode_time = Histogram(
+            "tokend:request_decode_time_seconds", "First token to last token", model, buckets=_PHASE_BUCKETS, registry=r
+        )
+        self.request_inference_time = Histogram(
+            "tokend:request_inference_time_seconds",
+            "First scheduled step to last token (prefill plus decode)",
+            model,
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "tokend:request_prompt_tokens",
+            "Prompt tokens per finished request",
+            model,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "tokend:request_generation_tokens",
+            "Generated tokens per finished request",
+            model,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = IterationTokens()
+        r.register(self.iteration_tokens)
         tenant = ["tenant", "model_name"]
         # Tenant names and their usage are for the operator: served only when asked for (tenant_metrics), else
         # counted in a registry nobody serves.
@@ -98,12 +149,26 @@ class FrontendMetrics:
         self.admission_queue_depth = Gauge(
             "tokend:admission_queue_depth", "Requests waiting for a slot, by class", ["priority"], registry=r
         )
+        for priority in Priority:  # present from the start: a router reads a missing series as no data, not 0
+            self.admission_queue_depth.labels(priority.label).set(0)
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}
 
     def serve(self, host: str, port: int, token_sha256: str = "") -> None:
         start_metrics_server(host, port, self.registry, token_sha256)
+
+    def serve_socket(self, path: str) -> None:
+        """The same text on a Unix socket in the daemon's private directory, for the gateway's /metrics."""
+        start_socket_metrics_server(path, self.registry)
+
+    def observe_finished(self, model_name: str, phases: RequestPhases, prompt_tokens: int, output_tokens: int) -> None:
+        self.request_queue_time.labels(model_name).observe(phases.queue_s)
+        self.request_prefill_time.labels(model_name).observe(phases.prefill_s)
+        self.request_decode_time.labels(model_name).observe(phases.decode_s)
+        self.request_inference_time.labels(model_name).observe(phases.prefill_s + phases.decode_s)
+        self.request_prompt_tokens.labels(model_name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(model_name).observe(output_tokens)
 
     def observe_load(self, model_name: str, group: str, report: LoadReport) -> None:
         labels = (model_name, group)
@@ -112,6 +177,7 @@ class FrontendMetrics:
         self.kv_cache_usage_perc.labels(*labels).set(report.kv_cache_usage)
         self.projected_ttft_seconds.labels(*labels).set(report.projected_ttft_seconds)
         self.scheduler_up.labels(*labels).set(1)
+        self.iteration_tokens.observe(labels, report)
         incarnation, queries, hits, preemptions = self._last_counts.get(labels, (report.incarnation, 0, 0, 0))
         if incarnation != report.incarnation:  # a restarted scheduler counts from zero again
             queries = hits = preemptions = 0

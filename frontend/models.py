@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from frontend.chat_template import ChatTemplate
+from common.chat_template import ChatTemplate
 from frontend.errors import RequestError
 from frontend.scheduler_link import SchedulerLink
 from gpu_runtime.ipc.messages import SchedulerReady
@@ -37,7 +37,7 @@ class ModelCatalog:
 
     def chat_template(self, ready: SchedulerReady) -> ChatTemplate | None:
         if ready.model_name not in self._chat_templates:
-            self._chat_templates[ready.model_name] = ChatTemplate.from_model_dir(ready.model_dir)
+            self._chat_templates[ready.model_name] = ChatTemplate.from_model_dir(ready.model_dir, ready.chat_template)
         return self._chat_templates[ready.model_name]
 
     def describe(self, name: str) -> SchedulerReady | None:

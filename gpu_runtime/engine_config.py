@@ -75,6 +75,20 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
     gpu_memory_utilization: Annotated[float, _doc("that share of free GPU memory, in (0, 1]")] = 0.9
     enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
     attention_backend: Annotated[Literal["torch"], _doc("the attention kernels: torch (paged, any device)")] = "torch"
+    generation_config: Annotated[
+        str,
+        _doc(
+            "sampling defaults for the fields a request leaves unset, as vLLM's flag: auto (the checkpoint's "
+            "generation_config.json), vllm (none: temperature 1, no filters), or a directory holding one"
+        ),
+    ] = "auto"
+    chat_template: Annotated[
+        str | None,
+        _doc(
+            "a chat template file (jinja) overriding the checkpoint's chat_template.jinja and tokenizer_config.json "
+            "ones, as vLLM's flag"
+        ),
+    ] = None
     # Check the page pool's invariants whenever the engine goes idle (TOKEND_DEBUG=1 turns it on).
     debug_checks: bool = msgspec.field(default_factory=lambda: os.environ.get("TOKEND_DEBUG") == "1")
 
@@ -93,3 +107,7 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         caching = self.enable_prefix_caching
         require(isinstance(caching, bool), "enable_prefix_caching", "true|false", caching)
         require(self.attention_backend == "torch", "attention_backend", "torch", self.attention_backend)
+        generation = self.generation_config
+        require(isinstance(generation, str) and bool(generation), "generation_config", "auto|vllm|DIR", generation)
+        template = self.chat_template
+        require(template is None or (isinstance(template, str) and bool(template)), "chat_template", "a file", template)

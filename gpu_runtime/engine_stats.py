@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpu_runtime.ipc.messages import ITERATION_TOKEN_BUCKETS
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.sequence import Sequence
@@ -25,6 +27,9 @@ class EngineStats:
     peak_used_pages: int = 0
     peak_kv_waste: float = 0.0  # share of allocated page slots holding no token, at the peak
     num_preemptions: int = 0
+    # Steps by how many tokens they computed, per bucket of ITERATION_TOKEN_BUCKETS (the last: beyond them all).
+    iteration_token_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
 
     def observe_kv(self, kv: KVCacheManager, holders: list[Sequence]) -> None:
         """`holders`: every sequence that holds pages (running, and a static batch's finished ones)."""
@@ -50,6 +55,9 @@ class EngineStats:
             self.prefill_step_seconds += seconds
         self.forward_seconds = total_forward_seconds
         self.num_preemptions += len(scheduled.preempted)
+        computed = len(scheduled.decodes) + sum(work.num_new_tokens for work in scheduled.prefills)  # no padding
+        self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, computed)] += 1
+        self.iteration_tokens_sum += computed
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,8 @@ class LLM:
         return self._run(requests, params, use_tqdm if use_tqdm is not None else len(requests) >= 32)
 
     def _params_per_prompt(self, prompts, sampling_params) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * len(prompts)
+        if sampling_params is None:  # as vLLM's LLM: the model's generation_config.json defaults, if any
+            return [SamplingParams(**self.engine.sampling_defaults.as_dict())] * len(prompts)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

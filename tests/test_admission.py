@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import Daemon
 
 from frontend.admission import SPARE_WINDOW_S
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -173,7 +173,7 @@ def test_tenant_limits_refuse_with_a_retry_hint(limited):
     retry_in_s = int(re.search(r"retry in (\d+) s", broke["details"]).group(1))
     assert retry_in_s > 1 and abs(int(broke["pushback_ms"]) / 1000 - retry_in_s) <= 1
     reply = httpx.post(f"{limited.http_url}/v1/completions", headers={"Authorization": "Bearer thrifty"},
-                       json={"model": DEFAULT_MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=30)  # fmt: skip
+                       json={"model": TINY_RANDOM_MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=30)  # fmt: skip
     assert reply.status_code == 429 and "tokens_per_minute" in reply.json()["error"]["message"]
     assert abs(int(reply.headers["Retry-After"]) - retry_in_s) <= 1
 

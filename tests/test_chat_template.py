@@ -1,4 +1,4 @@
-"""Chat templates: rendered as the model's tokenizer_config.json says, sandboxed, and time-limited."""
+"""Chat templates: found, compiled and rendered as transformers does, sandboxed, and time-limited."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from frontend.chat_template import ChatTemplate, ChatTemplateError
-from gpu_runtime.default_model import ensure_default_model
+from common.chat_template import ChatTemplate, ChatTemplateError
+from gpu_runtime.default_model import ensure_tiny_random_model
 
 HI = [{"role": "user", "content": "Hi"}]
 
 
-def test_the_default_models_template_renders_a_generation_prompt():
-    template = ChatTemplate.from_model_dir(ensure_default_model())
+def test_the_tiny_models_template_renders_a_generation_prompt():
+    template = ChatTemplate.from_model_dir(ensure_tiny_random_model())
     assert template.render(HI) == "<|begin_of_text|><|user|>\nHi\n<|assistant|>\n"
 
 
@@ -54,3 +54,62 @@ def test_a_render_that_runs_too_long_is_abandoned():
     template = ChatTemplate("{% for i in range(4000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}", {})
     with pytest.raises(ChatTemplateError, match="took over"):
         asyncio.run(template.render_async(HI, timeout=0.2))
+
+
+def test_transformers_environment_loop_controls_tojson_and_generation_tag():
+    template = ChatTemplate(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}"
+        "{{ m | tojson }}{% endgeneration %}{% endfor %}",
+        {},
+    )
+    # No HTML escaping and no \\u escapes, as transformers' own tojson.
+    assert template.render([{"role": "user", "content": "<b>&café"}, *HI]) == '{"role": "user", "content": "<b>&café"}'
+
+
+def test_chat_template_jinja_wins_and_named_files_serve_tools(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config", "eos_token": "</s>"}))
+    (tmp_path / "chat_template.jinja").write_text("file{{ eos_token }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools[0]['name'] }}")
+    template = ChatTemplate.from_model_dir(tmp_path)
+    assert template.render(HI) == "file</s>"
+    assert template.render(HI, tools=[{"name": "weather"}]) == "weather"
+
+
+def test_named_list_picks_tool_use_only_when_tools_are_given(tmp_path):
+    named = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    template = ChatTemplate.from_model_dir(tmp_path)
+    assert (template.render(HI), template.render(HI, tools=[])) == ("plain", "tools")
+
+
+def test_continue_final_message_leaves_the_last_message_open():
+    template = ChatTemplate("{% for m in messages %}[{{ m['content'] }}]\n{% endfor %}", {})
+    chat = [*HI, {"role": "assistant", "content": "Hel"}]
+    assert template.render(chat, add_generation_prompt=False, continue_final_message=True) == "[Hi]\n[Hel"
+    with pytest.raises(ChatTemplateError, match="^messages: continue_final_message and add_generation_prompt"):
+        template.render(chat, continue_final_message=True)
+
+
+def test_template_kwargs_reach_the_template_but_never_replace_the_conversation():
+    template = ChatTemplate("{{ messages[0]['content'] }}{% if enable_thinking %}<think>{% endif %}", {})
+    assert template.render(HI, template_kwargs={"enable_thinking": True, "messages": []}) == "Hi<think>"
+
+
+def test_grpc_chat_options_default_to_a_generation_prompt_and_name_bad_json():
+    from common.chat_template import chat_options
+    from tokend.v1 import tokend_pb2 as pb
+
+    assert chat_options(pb.ChatMessages())["add_generation_prompt"] is True
+    assert chat_options(pb.ChatMessages(continue_final_message=True))["add_generation_prompt"] is False
+    assert chat_options(pb.ChatMessages(tools_json='[{"name": "x"}]'))["tools"] == [{"name": "x"}]
+    with pytest.raises(ChatTemplateError, match="^tools_json: must be a JSON array"):
+        chat_options(pb.ChatMessages(tools_json="{}"))
+
+
+def test_a_syntax_error_names_the_file_and_line(tmp_path):
+    from common.chat_template import ChatTemplateLoadError
+
+    (tmp_path / "chat_template.jinja").write_text("ok\n{% if %}")
+    with pytest.raises(ChatTemplateLoadError, match=r"chat_template\.jinja: line 2: the chat template does not"):
+        ChatTemplate.from_model_dir(tmp_path)

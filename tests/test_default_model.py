@@ -1,4 +1,5 @@
-"""The embedded default model: made on first use, deterministic, a real Llama that transformers agrees with."""
+"""tokend-tiny-random, the built-in model of tests and benchmarks: made on first use, deterministic, a real Llama
+that transformers agrees with. (The real default, SmolLM2-135M-Instruct: test_default_model_real.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from conftest import random_prompts, transformers_greedy
 
 from gpu_runtime import LLM, SamplingParams
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME, ensure_tiny_random_model
 from gpu_runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_written_once_into_the_cache_dir_with_the_same_weights_every_time(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKEND_CACHE_DIR", str(tmp_path / "a"))
-    first = ensure_default_model()
+    first = ensure_tiny_random_model()
     assert first.is_relative_to(tmp_path / "a")
     assert {p.name for p in first.iterdir()} >= {
         "config.json",
@@ -29,22 +30,22 @@ def test_written_once_into_the_cache_dir_with_the_same_weights_every_time(tmp_pa
         "model.safetensors",
     }
     monkeypatch.setenv("TOKEND_CACHE_DIR", str(tmp_path / "b"))
-    second = ensure_default_model()
+    second = ensure_tiny_random_model()
     digest = [hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for d in (first, second)]
     assert digest[0] == digest[1]
 
 
-def test_llm_without_a_model_serves_the_default_and_matches_transformers():
-    llm = LLM()
-    assert llm.engine.model_name == DEFAULT_MODEL_NAME
+def test_llm_serves_it_by_name_and_matches_transformers():
+    llm = LLM(TINY_RANDOM_MODEL_NAME)
+    assert llm.engine.model_name == TINY_RANDOM_MODEL_NAME
     prompts = random_prompts(4, 1, 40, seed=7)
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-    assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(ensure_default_model(), prompts, 16)
+    assert [o.outputs[0].token_ids for o in outputs] == transformers_greedy(ensure_tiny_random_model(), prompts, 16)
 
 
 def test_byte_level_tokenizer_round_trips_any_text():
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     text = "tokend ✓ — naïve 日本語 🙂\n\ttabs"
     ids = tokenizer.encode(text)
     assert ids[0] == 256  # begin-of-text
@@ -60,14 +61,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_generate_prints_a_completion_per_prompt():
-    result = _cli("generate", "--offline", "Hello", "Second prompt", "--max-tokens", "5")
+    model = ("--model", TINY_RANDOM_MODEL_NAME)
+    result = _cli("generate", "--offline", *model, "Hello", "Second prompt", "--max-tokens", "5")
     assert result.returncode == 0, result.stderr
-    assert DEFAULT_MODEL_NAME in result.stdout
+    assert TINY_RANDOM_MODEL_NAME in result.stdout
     assert result.stdout.count("finish_reason=length") == 2
     assert "10 tokens in" in result.stdout
 
 
 def test_cli_bad_value_names_the_field_without_a_traceback():
-    result = _cli("generate", "--offline", "Hello", "--temperature", "-1")
+    result = _cli("generate", "--offline", "--model", TINY_RANDOM_MODEL_NAME, "Hello", "--temperature", "-1")
     assert result.returncode == 2
     assert "temperature" in result.stderr and "Traceback" not in result.stderr

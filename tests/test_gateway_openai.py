@@ -7,9 +7,9 @@ import json
 import httpx
 import openai
 import pytest
-from daemon_harness import Daemon
+from daemon_harness import Daemon, standalone_gateway
 
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 
 PROMPT = "The gateway streams"
@@ -34,7 +34,7 @@ def _grpc_text(daemon: Daemon, request: pb.GenerateRequest) -> str:
 
 def test_completions_streamed_and_not_agree_with_grpc_and_usage_counts_the_streamed_tokens(daemon, client):
     options = dict(
-        model=DEFAULT_MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        model=TINY_RANDOM_MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
     )
     whole = client.completions.create(**options)
     chunks = list(client.completions.create(**options, stream=True, stream_options={"include_usage": True}, logprobs=0))
@@ -53,7 +53,7 @@ def test_completions_streamed_and_not_agree_with_grpc_and_usage_counts_the_strea
 
 
 def test_chat_streamed_and_not_agree_with_grpc_chat(daemon, client):
-    options = dict(model=DEFAULT_MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0)
+    options = dict(model=TINY_RANDOM_MODEL_NAME, messages=MESSAGES, max_tokens=20, temperature=0)
     whole = client.chat.completions.create(**options, extra_body={"ignore_eos": True})
     chunks = list(
         client.chat.completions.create(
@@ -74,12 +74,12 @@ def test_chat_streamed_and_not_agree_with_grpc_chat(daemon, client):
     assert whole.choices[0].message.content == streamed_text == grpc_text
     assert whole.choices[0].message.role == "assistant"
     assert chunks[-1].usage.completion_tokens == streamed_tokens == 20 == whole.usage.completion_tokens
-    assert whole.model == DEFAULT_MODEL_NAME
+    assert whole.model == TINY_RANDOM_MODEL_NAME
 
 
 def test_n_choices_with_a_seed_differ_and_repeat(client):
     options = dict(
-        model=DEFAULT_MODEL_NAME,
+        model=TINY_RANDOM_MODEL_NAME,
         prompt=PROMPT,
         max_tokens=12,
         temperature=1.0,
@@ -96,7 +96,7 @@ def test_n_choices_with_a_seed_differ_and_repeat(client):
 
 def test_models_lists_the_served_model(client):
     (model,) = client.models.list().data
-    assert model.id == DEFAULT_MODEL_NAME and model.owned_by == "tokend"
+    assert model.id == TINY_RANDOM_MODEL_NAME and model.owned_by == "tokend"
 
 
 def test_health_and_metrics(daemon):
@@ -118,6 +118,7 @@ def test_health_and_metrics(daemon):
         (json.dumps({"prompt": "x", "n": 9}).encode(), 400, "n"),
         (json.dumps({"prompt": "x", "stop": ["s"] * 9}).encode(), 400, "stop"),
         (json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x", "priority": "urgent"}).encode(), 400, "priority"),
         (json.dumps({"prompt": "x" * (5 << 20)}).encode(), 413, None),
     ],
 )
@@ -133,13 +134,33 @@ def test_bad_completion_requests_get_openai_errors(daemon, body, status, param):
 
 def test_bad_chat_requests_get_openai_errors(daemon, client):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[], max_tokens=3)
+        client.chat.completions.create(model=TINY_RANDOM_MODEL_NAME, messages=[], max_tokens=3)
     assert caught.value.body["param"] == "messages"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=MESSAGES, max_completion_tokens=0)
+        client.chat.completions.create(model=TINY_RANDOM_MODEL_NAME, messages=MESSAGES, max_completion_tokens=0)
     assert caught.value.body["param"] == "max_completion_tokens" or "max_tokens" in caught.value.body["param"]
+
+
+def test_the_priority_field_sets_the_requests_admission_class(daemon, client):
+    """The playground and batch clients name their class in the body; the ledger row shows what was applied."""
+    for priority, request_id in (("batch", "prio-batch"), ("interactive", "prio-interactive"), (None, "prio-unset")):
+        extra = {"priority": priority} if priority else {}
+        client.chat.completions.create(
+            model=TINY_RANDOM_MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_body=extra,
+            extra_headers={"X-Request-Id": request_id},
+        )
+    with daemon.ledger() as ledger:
+        rows = ledger.execute("SELECT request_id, priority FROM usage WHERE request_id LIKE 'prio-%'").fetchall()
+    assert {row["request_id"]: row["priority"] for row in rows} == {
+        "prio-batch": "batch",
+        "prio-interactive": "interactive",
+        "prio-unset": "interactive",  # no tenants: everyone's class is interactive unless asked
+    }
 
 
 def test_ten_thousand_headers_get_431_in_openai_shape(daemon):
@@ -165,33 +186,13 @@ def test_dropping_the_connection_mid_stream_aborts_the_sequence_within_a_second(
 
 
 def test_a_standalone_gateway_keeps_a_quiet_stream_alive_with_comments(daemon):
-    import subprocess
-    import sys
-
-    from daemon_harness import ROOT, free_port
-
-    port = free_port()
-    command = [sys.executable, "-m", "daemon.cli", "gateway", "--grpc", daemon.address, "--http-port", str(port)]
-    gateway = subprocess.Popen([*command, "--sse-keepalive", "0.001"], cwd=ROOT, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        daemon.wait_for(lambda: _answers(f"{url}/health"), timeout=30)
+    with standalone_gateway(daemon, "--sse-keepalive", "0.001") as url:
         # A long prompt: its prefill is a quiet spell long enough for keep-alive comments.
         body = {"prompt": "long " * 380, "max_tokens": 2, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
             lines = list(reply.iter_lines())
         assert ": keep-alive" in lines
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
-    finally:
-        gateway.terminate()
-        gateway.wait(timeout=10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_draining_server_answers_503_with_retry_after(daemon):

@@ -20,6 +20,7 @@ from daemon_harness import Daemon
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import FrontendSpec, SchedulerAddress
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import (
     MAX_MESSAGE_BYTES,
@@ -140,7 +141,7 @@ def test_the_input_reader_drops_deep_oversize_and_forged_messages_and_keeps_read
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_bytes=16 << 20))
+    return LLMEngine(EngineConfig(model=TINY_RANDOM_MODEL_NAME, max_num_seqs=4, kv_cache_bytes=16 << 20))
 
 
 class RecordingOutbox:

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from gpu_runtime.engine_config import SchedulerConfig
 from gpu_runtime.latency import LatencyPolicy, StepTimeModel
 
@@ -81,9 +82,9 @@ def test_engine_projects_ttft_for_every_waiting_request_in_queue_order(llama_dir
 )
 def test_bad_configuration_names_the_option(option, value):
     with pytest.raises(ValueError, match=option):
-        LLMEngine(EngineConfig(**{option: value}))
+        LLMEngine(EngineConfig(model=TINY_RANDOM_MODEL_NAME, **{option: value}))
 
 
 def test_a_budget_that_fits_no_page_names_the_option():
     with pytest.raises(ValueError, match="kv_cache_bytes"):
-        LLMEngine(EngineConfig(kv_cache_bytes=100))
+        LLMEngine(EngineConfig(model=TINY_RANDOM_MODEL_NAME, kv_cache_bytes=100))

@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import Daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -53,9 +53,10 @@ def test_a_stopped_scheduler_stops_serving_its_model_within_seconds_and_serves_a
         os.kill(scheduler, signal.SIGSTOP)  # a hung engine: alive, but its loop makes no progress
         stopped_at = time.monotonic()
         try:
-            daemon.wait_for(lambda: _health(daemon, DEFAULT_MODEL_NAME) == NOT_SERVING, timeout=30)
+            daemon.wait_for(lambda: _health(daemon, TINY_RANDOM_MODEL_NAME) == NOT_SERVING, timeout=30)
             noticed_after = time.monotonic() - stopped_at
             assert _health(daemon, "") == NOT_SERVING and not daemon.gateway_is_serving()
+            assert _health(daemon, "liveness") == SERVING  # a probe for Kubernetes' liveness: no reason to kill us
             (load,) = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
             assert not load.ready
             assert queued.result(timeout=30) == grpc.StatusCode.UNAVAILABLE  # failed, not left waiting
@@ -66,7 +67,7 @@ def test_a_stopped_scheduler_stops_serving_its_model_within_seconds_and_serves_a
             assert not rest.done(), "the running stream waits for its scheduler"
         finally:
             os.kill(scheduler, signal.SIGCONT)
-        daemon.wait_for(lambda: _health(daemon, DEFAULT_MODEL_NAME) == SERVING, timeout=30)
+        daemon.wait_for(lambda: _health(daemon, TINY_RANDOM_MODEL_NAME) == SERVING, timeout=30)
         chunks = [first, *rest.result(timeout=300)]
         (unresponsive,) = daemon.log_entries("scheduler_unresponsive")
         assert len(daemon.log_entries("scheduler_responsive")) == 1

@@ -23,6 +23,7 @@ def daemon(tmp_path_factory, llama_dir):
         f"""
 [[models]]
 name = "tiny"
+path = "tokend-tiny-random"
 aliases = ["default-alias"]
 
 [[models]]
@@ -64,7 +65,7 @@ def test_each_model_answers_as_it_does_in_process(daemon, llama_dir):
     assert small == _greedy(daemon, "llama-small", prompts)
     assert tiny == _greedy(daemon, "default-alias", prompts) == _greedy(daemon, "", prompts)
     assert small == _in_process(str(llama_dir), prompts)
-    assert tiny == _in_process(None, prompts)
+    assert tiny == _in_process("tokend-tiny-random", prompts)
     assert small != tiny
 
 

@@ -108,3 +108,29 @@ def test_a_bad_table_is_named(tmp_path, toml, key):
     config_file.write_text(toml)
     with pytest.raises(ValueError, match=f"^{re.escape(key)}"):
         _load("--config", str(config_file))
+
+
+def test_tenants_file_adds_its_tenants_to_the_configs(tmp_path):
+    """Keys kept apart from the config (a Kubernetes Secret, a 0600 file) join the config's own tenants."""
+    config, secret = tmp_path / "tokend.toml", tmp_path / "tenants.toml"
+    config.write_text(f'tenants_file = "{secret}"\n[[tenants]]\nname = "ops"\napi_key_sha256 = "{"a" * 64}"\n')
+    secret.write_text(f'[[tenants]]\nname = "web"\napi_key_sha256 = "{"b" * 64}"\npriority = "batch"\n')
+    tenants = _load("--config", str(config)).tenants
+    assert [(t.name, t.priority) for t in tenants] == [("ops", "interactive"), ("web", "batch")]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('host = "0.0.0.0"\n', "may hold only [[tenants]] tables, not 'host'"),
+        ("[[tenants]]\nname = 3\n", "tenants[0]"),
+        ("[[tenants\n", "is not valid TOML"),
+    ],
+)
+def test_a_bad_tenants_file_is_named(tmp_path, content, message):
+    secret = tmp_path / "tenants.toml"
+    secret.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _load("--tenants-file", str(secret))
+    with pytest.raises(ValueError, match="tenants_file: cannot read"):
+        _load("--tenants-file", str(tmp_path / "absent.toml"))

@@ -15,6 +15,7 @@ from daemon.cli import build_parser
 from daemon.config import ServeConfig, load_serve_config
 from daemon.supervisor import frontend_spec, scheduler_specs
 from frontend.spec import AdmissionSpec, FrontendSpec
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -154,4 +155,5 @@ def test_admission_options_reach_the_frontend_as_given(tmp_path):
     spec = FrontendSpec.from_json(frontend_spec(config, tmp_path, scheduler_specs(config, tmp_path)).to_json())
     expected = AdmissionSpec(batch_max_queue_wait=12.5, max_queued_requests=7, batch_ttft_target=9.0)
     assert spec.admission == config.admission == expected
-    assert [(s.worker_id, s.model_name) for s in spec.schedulers] == [("tokend-tiny-random/0", "tokend-tiny-random")]
+    default = DEFAULT_MODEL_NAME  # no model named: the default
+    assert [(s.worker_id, s.model_name) for s in spec.schedulers] == [(f"{default}/0", default)]

@@ -39,6 +39,11 @@ def test_every_listener_binds_the_given_host_and_only_it():
             assert _refused("127.0.0.1", port), port
         (serving,) = daemon.wait_for(lambda: daemon.log_entries("serving"), timeout=30)
         assert serving["host"] == HOST
+        assert serving["urls"] == {  # where to point a client, in the ready record (and the terminal banner)
+            "grpc": f"{HOST}:{daemon.grpc_port}",
+            "http": f"http://{HOST}:{daemon.http_port}/v1",
+            "metrics": f"http://{HOST}:{daemon.metrics_port}/metrics",
+        }
 
 
 def test_a_public_host_without_tenants_is_refused_naming_the_way_out():

@@ -10,7 +10,7 @@ from conftest import random_prompts, transformers_greedy
 from daemon_harness import Daemon
 
 from gpu_runtime import LLM, SamplingParams
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME, ensure_tiny_random_model
 from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
@@ -42,12 +42,12 @@ def test_eight_concurrent_greedy_streams_equal_the_engine_and_transformers(daemo
         results = list(pool.map(lambda r: _stream_timed(daemon, r), requests))
 
     streamed = [[t for _, chunk in chunks for t in chunk.token_ids] for _, chunks in results]
-    in_process = LLM().generate(
+    in_process = LLM(TINY_RANDOM_MODEL_NAME).generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
     )
     assert streamed == [output.outputs[0].token_ids for output in in_process]
-    assert streamed == transformers_greedy(ensure_default_model(), prompts, NUM_TOKENS)
+    assert streamed == transformers_greedy(ensure_tiny_random_model(), prompts, NUM_TOKENS)
 
     for (_, chunks), prompt in zip(results, prompts, strict=True):
         assert len(chunks) >= NUM_TOKENS // 4, "tokens must stream in many chunks, not arrive at once"
@@ -80,13 +80,13 @@ def test_tokens_arrive_as_they_are_decoded_not_at_the_end(daemon):
 
 
 def test_chunk_texts_concatenate_to_the_full_decode(daemon):
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     for prompt in ["Hello, tokend!", "ünïcödé ✓ 日本語 🙂", "a"]:
         chunks = daemon.generate(prompt, max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
         token_ids = [t for chunk in chunks for t in chunk.token_ids]
         assert "".join(chunk.text for chunk in chunks) == tokenizer.decode(token_ids)
         assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode(prompt))
-        assert chunks[-1].model == DEFAULT_MODEL_NAME
+        assert chunks[-1].model == TINY_RANDOM_MODEL_NAME
 
 
 def test_a_stop_string_ends_the_stream_and_is_cut_from_the_text(daemon):
@@ -121,7 +121,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(daemon):
 
 def test_list_models_names_the_default_model(daemon):
     models = daemon.generation.ListModels(pb.ListModelsRequest(), timeout=10).models
-    assert [m.name for m in models] == [DEFAULT_MODEL_NAME]
+    assert [m.name for m in models] == [TINY_RANDOM_MODEL_NAME]
     assert models[0].ready and models[0].max_model_len == 2048 and models[0].vocab_size > 256
 
 
@@ -139,11 +139,11 @@ def test_tokend_generate_streams_from_the_daemon(daemon):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert "8 completion tokens" in result.stderr and DEFAULT_MODEL_NAME in result.stderr
+    assert "8 completion tokens" in result.stderr and TINY_RANDOM_MODEL_NAME in result.stderr
 
 
 def test_a_chat_is_rendered_with_the_models_template(daemon):
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     chat = pb.ChatMessages(
         messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi!")]
     )
@@ -160,7 +160,7 @@ def test_a_chat_is_rendered_with_the_models_template(daemon):
 
 
 def test_logprobs_carry_each_tokens_text(daemon):
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     chunks = daemon.generate("Text", max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
     for entry in [lp for chunk in chunks for lp in chunk.logprobs]:
         assert entry.token == tokenizer.token_text(entry.token_id)

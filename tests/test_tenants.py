@@ -11,7 +11,7 @@ import pytest
 from daemon_harness import Daemon
 from grpc_health.v1 import health_pb2
 
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 
 WRONG_KEY = "sk-refused-5551234567"  # no tenant's: refused, and never logged either
@@ -107,13 +107,13 @@ def test_a_tenant_cannot_abort_another_tenants_request(daemon):
 
 def test_the_gateway_passes_the_key_and_maps_refusals(daemon):
     with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=KEYS["alpha"], max_retries=0) as client:
-        reply = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
+        reply = client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt="Hi", max_tokens=2)
         assert reply.usage.completion_tokens >= 1
     refusals = [(WRONG_KEY, openai.AuthenticationError), (KEYS["gamma"], openai.PermissionDeniedError)]
     for key, refusal in refusals:
         client = openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key=key, max_retries=0)
         with client, pytest.raises(refusal):
-            client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=2)
+            client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt="Hi", max_tokens=2)
     assert httpx.get(f"{daemon.http_url}/v1/models").status_code == 401
     assert httpx.get(f"{daemon.http_url}/health").status_code == 200
 

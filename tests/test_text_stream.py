@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
-from gpu_runtime.default_model import ensure_default_model
+from gpu_runtime.default_model import ensure_tiny_random_model
 from gpu_runtime.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer(ensure_default_model())
+    return Tokenizer(ensure_tiny_random_model())
 
 
 def _stream(tokenizer, token_ids: list[int], sizes: list[int]) -> list[str]:

@@ -15,7 +15,7 @@ from daemon_harness import Daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend.tokenize_pool import TokenizePool
-from gpu_runtime.default_model import ensure_default_model
+from gpu_runtime.default_model import ensure_tiny_random_model
 from gpu_runtime.tokenizer import Tokenizer, TooManyTokens
 from tokend.v1 import tokend_pb2 as pb
 
@@ -23,7 +23,7 @@ BIG_PROMPT = ("Tell me everything about the history of the world. " * 80_000)[:3
 
 
 def test_the_loop_keeps_ticking_while_the_pool_tokenizes_megabytes():
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     text = BIG_PROMPT[:1_500_000]
 
     async def measure() -> tuple[float, float, int]:
@@ -53,7 +53,7 @@ def test_the_loop_keeps_ticking_while_the_pool_tokenizes_megabytes():
 
 
 def test_a_prompt_past_the_token_limit_is_counted_not_listed():
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     with pytest.raises(TooManyTokens) as too_many:
         tokenizer.encode("x" * 5000, max_tokens=4096)
     assert too_many.value.num_tokens >= 5000  # one token per byte, and a BOS
@@ -61,7 +61,7 @@ def test_a_prompt_past_the_token_limit_is_counted_not_listed():
 
 
 def test_a_text_far_over_the_limit_is_refused_after_tokenizing_about_twice_the_limit():
-    tokenizer = Tokenizer(ensure_default_model())
+    tokenizer = Tokenizer(ensure_tiny_random_model())
     with pytest.raises(TooManyTokens) as too_many:
         tokenizer.encode(BIG_PROMPT, max_tokens=20_000)
     assert not too_many.value.exact and 20_000 < too_many.value.num_tokens <= 2 * 20_000 + 64
@@ -104,7 +104,7 @@ def daemon(tmp_path_factory):
     # (seconds of work) before it is refused for the KV cache it would need.
     model_dir = write_checkpoint(tmp_path_factory.mktemp("long-context"), LLAMA_GQA, max_position_embeddings=131072)
     # The embedded model's chat template (same byte-level tokenizer), so that a chat can be rendered too.
-    shutil.copy(ensure_default_model() / "tokenizer_config.json", model_dir / "tokenizer_config.json")
+    shutil.copy(ensure_tiny_random_model() / "tokenizer_config.json", model_dir / "tokenizer_config.json")
     with Daemon("--model", str(model_dir)) as running:
         yield running
 

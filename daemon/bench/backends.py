@@ -1,8 +1,10 @@
-"""How a benchmark request reaches the daemon: OpenAI completions over HTTP/SSE, or Generate over gRPC.
+"""How a benchmark request reaches the daemon: OpenAI completions or chat completions over HTTP/SSE, or Generate
+over gRPC.
 
-Both time a request the same way: start when it is sent, the first token when the first chunk of generated
-output arrives (a chunk with choices, even if its text is still empty, as vLLM's client counts it: a token can
-decode to nothing yet), one inter-token latency per later such chunk, the end at the last byte.
+All time a request as vLLM's request functions do: start when it is sent, the first token when the first chunk of
+generated output arrives (a chunk with choices, even if its text is still empty: a token can decode to nothing
+yet; for chat, a delta that carries `content`, so a role-only chunk sent ahead of prefill would not count), one
+inter-token latency per later such chunk, the end at the last such chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from daemon.bench.datasets import BenchRequest
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
+ENDPOINTS = ("completions", "chat")
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -27,15 +31,17 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    start_time: float = 0.0
+    generated_text: str = ""
     error: str = ""
 
 
 class _Clock:
-    """Times one request into its result: send, each chunk of output, the end."""
+    """Times one request into its result: send, each chunk of output, the last one."""
 
     def __init__(self, result: RequestResult):
         self.result = result
-        self.started = self.last = time.perf_counter()
+        self.started = self.last = result.start_time = time.perf_counter()
 
     def output_chunk(self) -> None:
         now = time.perf_counter()
@@ -46,47 +52,70 @@ class _Clock:
         self.last = now
 
     def finish(self) -> RequestResult:
-        self.result.latency = time.perf_counter() - self.started
+        if self.result.ttft == 0.0:
+            self.result.error = "no output chunk arrived"
+            return self.result
+        self.result.latency = self.last - self.started
         self.result.success = True
         return self.result
 
 
 class OpenAIBackend:
-    def __init__(self, base_url: str, model: str, api_key: str | None):
+    """`/v1/completions` (the prompt as token ids, or as text when the workload has it) or `/v1/chat/completions`
+    (the prompt's text as one user message)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None, endpoint: str = "completions"):
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: expected one of {ENDPOINTS}, got {endpoint!r}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=None,
                                          limits=httpx.Limits(max_connections=None))  # fmt: skip
         self._model = model
+        self._chat = endpoint == "chat"
+
+    def _body(self, request: BenchRequest) -> dict:
+        body = {"model": self._model, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        if self._chat:
+            body["messages"] = [{"role": "user", "content": request.prompt_text}]
+            body["max_completion_tokens"] = request.output_len
+        else:
+            body["prompt"] = request.prompt_text if request.prompt_text is not None else request.prompt_token_ids
+            body["max_tokens"] = request.output_len
+        return body
 
     async def send(self, request: BenchRequest) -> RequestResult:
-        body = {
-            "model": self._model,
-            "prompt": request.prompt_token_ids,
-            "max_tokens": request.output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
         result = RequestResult(prompt_len=len(request.prompt_token_ids))
+        path = "/v1/chat/completions" if self._chat else "/v1/completions"
         clock = _Clock(result)
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as reply:
+            async with self._client.stream("POST", path, json=self._body(request)) as reply:
                 if reply.status_code != 200:
                     result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
                     return result
                 async for line in reply.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        result.output_tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices"):
-                        clock.output_chunk()
+                    if line.startswith("data: {"):
+                        self._read_chunk(json.loads(line[6:]), result, clock)
         except httpx.HTTPError as error:
             result.error = repr(error)
             return result
         return clock.finish()
+
+    def _read_chunk(self, chunk: dict, result: RequestResult, clock: _Clock) -> None:
+        if usage := chunk.get("usage"):
+            result.output_tokens = usage["completion_tokens"]
+            result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
+        if not (choices := chunk.get("choices")):
+            return
+        if self._chat:
+            delta = choices[0].get("delta") or {}
+            if "content" not in delta:
+                return
+            text = delta["content"]
+        else:
+            text = choices[0].get("text")
+        clock.output_chunk()
+        result.generated_text += text or ""
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -113,6 +142,7 @@ class GrpcBackend:
                 result.output_tokens = chunk.usage.completion_tokens
                 if chunk.token_ids:
                     clock.output_chunk()
+                    result.generated_text += chunk.text
         except grpc.aio.AioRpcError as error:
             result.error = f"{error.code().name}: {error.details()}"
             return result

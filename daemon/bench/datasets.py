@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -11,6 +12,30 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     interactive: bool = True
+    prompt_text: str | None = None  # what a text endpoint (chat) sends; its token count comes back in usage
+
+
+# Common English words, most of them one token in a BPE vocabulary: chat prompts when no tokenizer is at hand.
+_WORDS = (  # noqa: SIM905 (a sentence reads better than 100 quoted words)
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by word "
+    "but not what all were we when your can said there use an each which she do how their if will up other about "
+    "out many then them these so some her would make like him into time has look two more write go see number no "
+    "way could people my than first water been call who oil its now find long down day did get come made may part"
+).split()
+
+
+def with_prompt_text(requests: list[BenchRequest], tokenizer, seed: int) -> list[BenchRequest]:
+    """The requests with a text prompt, for endpoints that take text: the prompt's token ids decoded by the served
+    model's tokenizer (a `tokenizers.Tokenizer`), as vLLM's random dataset makes its prompts; without one, as many
+    common words as the prompt has tokens."""
+    rng = random.Random(seed)
+    texts = [
+        tokenizer.decode(r.prompt_token_ids)
+        if tokenizer is not None
+        else " ".join(rng.choice(_WORDS) for _ in r.prompt_token_ids)
+        for r in requests
+    ]
+    return [dataclasses.replace(r, prompt_text=text) for r, text in zip(requests, texts, strict=True)]
 
 
 def random_dataset(num: int, vocab: int, input_len: int, output_len: int, range_ratio: float, seed: int):

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from daemon.bench.backends import RequestResult
 from daemon.bench.datasets import BenchRequest
-from daemon.bench.metrics import summarize
+from daemon.bench.metrics import DEFAULT_PERCENTILES, METRICS, summarize
 
 
 def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
@@ -33,6 +33,8 @@ async def run_benchmark(
     seed: int = 0,
     goodput_slos_ms: dict[str, float] | None = None,
     progress: bool = True,
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
+    percentile_metrics: tuple[str, ...] = METRICS,
 ) -> dict:
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc="requests")
@@ -55,11 +57,10 @@ async def run_benchmark(
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - started
     bar.close()
-    summary = summarize(results, duration, goodput_slos_ms or {})
-    summary.update(
-        request_rate=request_rate if not math.isinf(request_rate) else "inf",
-        burstiness=burstiness,
-        max_concurrency=max_concurrency,
-        num_prompts=len(requests),
-    )
-    return summary
+    traffic = {
+        "num_prompts": len(requests),
+        "request_rate": request_rate if not math.isinf(request_rate) else "inf",
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+    }
+    return traffic | summarize(results, duration, goodput_slos_ms or {}, percentiles, percentile_metrics)

@@ -1,12 +1,15 @@
 """Entry point of the gateway: `python -m frontend.gateway '<GatewaySpec JSON>'` (spawned by the daemon), or
-`tokend gateway --grpc ADDR` on its own."""
+`tokend gateway --address ADDR` on its own."""
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import uvicorn
+from prometheus_client import disable_created_metrics
 
+from common.exit_codes import EXIT_CONFIG_ERROR
 from common.logs import configure_logging
 from frontend.gateway.app import build_app
 from frontend.gateway.http_protocol import BoundedH11Protocol
@@ -15,6 +18,15 @@ from frontend.gateway.spec import GatewaySpec
 
 def run_gateway(spec: GatewaySpec) -> int:
     log = configure_logging("gateway", spec.log_level)
+    disable_created_metrics()  # no `_created` series on /metrics: no dashboard reads them
+    # Bound here rather than by uvicorn, which exits 1 on a taken port (a restart loop under the daemon): a port
+    # someone else holds is a configuration error that names the port.
+    try:
+        listener = bind_listener(spec.host, spec.http_port)
+    except OSError as error:
+        where = f"[{spec.host}]:{spec.http_port}" if ":" in spec.host else f"{spec.host}:{spec.http_port}"
+        log.error("cannot_listen", error=f"http_port: cannot listen on {where} ({error.strerror})")
+        return EXIT_CONFIG_ERROR
     config = uvicorn.Config(
         build_app(spec),
         host=spec.host,
@@ -37,8 +49,22 @@ def run_gateway(spec: GatewaySpec) -> int:
         max_connections=spec.max_connections,
     )
     server = uvicorn.Server(config)
-    server.run()
-    return 0 if server.started else 75  # not started: the port is taken (EX_TEMPFAIL)
+    server.run(sockets=[listener])
+    return 0
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; OSError when the port is taken or the address is not this machine's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a predecessor's TIME_WAIT is no obstacle
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def main(argv: list[str]) -> int:

@@ -9,11 +9,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
+from common.listening import mark_listening
 from frontend.gateway.error_funnel import ErrorFunnel
 from frontend.gateway.errors import OpenAIError
 from frontend.gateway.limits import RequestLimits
+from frontend.gateway.load_route import load_endpoint
+from frontend.gateway.playground_page import STATIC_DIR, PlaygroundAssets
 from frontend.gateway.routes import GatewayRoutes
 from frontend.gateway.spec import GatewaySpec
 
@@ -24,6 +27,7 @@ def build_app(spec: GatewaySpec) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await routes.open()
+        mark_listening(spec.listening_path)  # the socket is bound and listening before uvicorn starts us
         yield
         await routes.close()
 
@@ -53,9 +57,12 @@ def build_app(spec: GatewaySpec) -> Starlette:
             Route("/v1/completions", counted("/v1/completions", routes.completions), methods=["POST"]),
             Route("/v1/chat/completions", counted("/v1/chat/completions", routes.chat_completions), methods=["POST"]),
             Route("/v1/models", counted("/v1/models", routes.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", counted("/v1/models/{id}", routes.model), methods=["GET"]),
             Route("/health", counted("/health", routes.health), methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/v1/load", counted("/v1/load", load_endpoint(routes)), methods=["GET"]),
             Route("/", routes.playground, methods=["GET"]),
+            Mount("/static", PlaygroundAssets(directory=STATIC_DIR)),
         ],
         middleware=[
             Middleware(ErrorFunnel),  # first: it also catches what the limits raise

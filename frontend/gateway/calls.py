@@ -1,5 +1,6 @@
-"""Runs a request's n gRPC Generate calls: admission first (so errors get a real HTTP status), then either a
-stream of SSE events or one collected body. Whatever ends the HTTP side cancels the calls."""
+"""Runs a request's gRPC Generate calls (one per choice: n for each prompt): admission first (so errors get a real
+HTTP status), then either a stream of SSE events or one collected body. Whatever ends the HTTP side cancels the calls.
+"""
 
 from __future__ import annotations
 
@@ -18,33 +19,60 @@ _END = object()
 
 
 class GenerateCalls:
-    def __init__(self, stub: pb_grpc.GenerationStub, requests: list[pb.GenerateRequest], metadata, chat: bool):
+    def __init__(
+        self,
+        stub: pb_grpc.GenerationStub,
+        requests: list[pb.GenerateRequest],
+        metadata,
+        chat: bool,
+        per_prompt: int = 0,
+    ):
         self.chat = chat
         self.calls = [stub.Generate(request, metadata=metadata) for request in requests]
+        # Choices per prompt, when the requests answer a batch of prompts: a refusal then names its prompt's index.
+        self.per_prompt = per_prompt if 0 < per_prompt < len(requests) else 0
         self.model = ""  # the served model's name, once admitted
+        # Every call is read from its start into one queue, while its siblings may still wait for a slot: an admitted
+        # call must be able to stream to its end (and free its slot) even when a batch has more calls than slots.
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps = [asyncio.create_task(_pump(index, call, self._queue)) for index, call in enumerate(self.calls)]
 
     async def admitted(self) -> None:
-        """Returns once every call passed validation and is queued; raises the first refusal as an OpenAIError."""
+        """Returns once every call passed validation and was dispatched; raises the first refusal as an OpenAIError."""
+        waits = [asyncio.ensure_future(self._admission(index, call)) for index, call in enumerate(self.calls)]
+        for wait in waits:  # the refusals after the first are not news: retrieved here, never logged as lost
+            wait.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
-            for call in self.calls:
-                metadata = dict(await call.initial_metadata() or ())
-                if call.done() and await call.code() != grpc.StatusCode.OK:
-                    raise from_grpc(await call.code(), await call.details(), self.chat, await call.trailing_metadata())
-                self.model = metadata.get("x-model", self.model)
+            for next_admitted in asyncio.as_completed(waits):
+                self.model = await next_admitted or self.model
         except BaseException:
             self.cancel()
+            for wait in waits:
+                wait.cancel()
             raise
+
+    async def _admission(self, index: int, call) -> str:
+        """The model's name from the call's headers, once the frontend sent them; its refusal if it refused."""
+        metadata = dict(await call.initial_metadata() or ())
+        if call.done() and await call.code() != grpc.StatusCode.OK:
+            error = from_grpc(await call.code(), await call.details(), self.chat, await call.trailing_metadata())
+            if self.per_prompt and error.param == "prompt":
+                error.param = f"prompt[{index // self.per_prompt}]"
+                error.message = f"{error.param}: {error.message.partition(': ')[2]}"  # it began with its field
+            raise error
+        return metadata.get("x-model", "")
 
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()
+        for pump in self._pumps:
+            pump.cancel()
 
     async def collect(self, shape: ResponseShape) -> dict:
         """Reads every call to its end and returns the whole response body."""
         try:
-            for index, call in enumerate(self.calls):
-                async for response in call:
-                    shape.chunk(index, response)
+            async for index, response in self._responses():
+                shape.chunk(index, response)
         except grpc.aio.AioRpcError as error:
             raise from_grpc(error.code(), error.details(), self.chat, error.trailing_metadata()) from None
         finally:
@@ -52,35 +80,36 @@ class GenerateCalls:
         return shape.body()
 
     async def events(self, shape: ResponseShape, keepalive_s: float) -> AsyncIterator[str]:
-        """SSE events as the tokens arrive, from all choices interleaved; a comment keeps a quiet line open."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(index, call, queue)) for index, call in enumerate(self.calls)]
+        """SSE events as the tokens arrive, from all choices interleaved; a comment keeps a quiet line open. Nothing
+        but comments goes out before a choice's first token (chat's role chunk included)."""
         try:
-            if shape.chat:
-                for index in range(len(self.calls)):
-                    yield sse_event(shape.role_chunk(index))
-            open_calls = len(self.calls)
-            while open_calls:
-                try:
-                    index, item = await asyncio.wait_for(queue.get(), keepalive_s)
-                except TimeoutError:
-                    yield ": keep-alive\n\n"
-                    continue
-                if item is _END:
-                    open_calls -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    yield sse_event(from_grpc(item.code(), item.details(), shape.chat).body())
-                    return
-                else:
-                    yield sse_event(shape.chunk(index, item))
+            async for index, response in self._responses(keepalive_s):
+                yield ": keep-alive\n\n" if response is None else sse_event(shape.chunk(index, response))
             if shape.include_usage:
                 yield sse_event(shape.usage_chunk())
             yield "data: [DONE]\n\n"
+        except grpc.aio.AioRpcError as error:
+            yield sse_event(from_grpc(error.code(), error.details(), shape.chat).body())
         finally:
             # Also runs when the client goes away: the calls' cancellation aborts their sequences.
-            for pump in pumps:
-                pump.cancel()
             self.cancel()
+
+    async def _responses(self, keepalive_s: float | None = None):
+        """(choice index, response) as they arrive until every call ended; (None, None) after each quiet spell of
+        keepalive_s. A failed call raises its AioRpcError."""
+        open_calls = len(self.calls)
+        while open_calls:
+            try:
+                index, item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+            except TimeoutError:
+                yield None, None
+                continue
+            if item is _END:
+                open_calls -= 1
+            elif isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            else:
+                yield index, item
 
 
 async def _pump(index: int, call, queue: asyncio.Queue) -> None:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 
+import structlog
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from frontend.gateway import request_ids
 from frontend.gateway.calls import sse_event
 from frontend.gateway.errors import OpenAIError, gateway_log
 
 
 class ErrorFunnel:
     """ASGI middleware, outermost but for Starlette's own ServerErrorMiddleware (which then never sees an error,
-    and so never answers plain text nor hands uvicorn a traceback to print). Every response carries its request
-    id in `x-request-id`; a 500 names it, so that a client's report finds the one log line with the traceback."""
+    and so never answers plain text nor hands uvicorn a traceback to print). It also settles the request's id (the
+    client's X-Request-Id, or a new one): every response carries it in `x-request-id`, every gateway log line of the
+    request carries it, and a 500 names it, so that a client's report finds the one log line with the traceback."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -24,17 +26,24 @@ class ErrorFunnel:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = f"req-{uuid.uuid4().hex}"
+        try:
+            request_id = request_ids.from_scope(scope)
+        except OpenAIError as error:  # a bad X-Request-Id: refused, under an id of our own
+            await error.response(headers={request_ids.HEADER: request_ids.new()})(scope, receive, send)
+            return
+        request_ids.remember(scope, request_id)
         response = _ResponseProgress()
+        id_header = (request_ids.HEADER.encode(), request_id.encode())
 
         async def tracking_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
+                message = {**message, "headers": [*message.get("headers", ()), id_header]}
             response.saw(message)
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                await self.app(scope, receive, tracking_send)
         except ClientDisconnect:
             pass  # the client left mid-request: nobody to answer, nothing went wrong here
         except Exception as error:
@@ -70,6 +79,6 @@ async def _answer(scope: Scope, receive: Receive, send: Send, response: _Respons
     # The connection may be failing too; the error is logged already, and a second one would only be noise.
     with contextlib.suppress(Exception):
         if not response.started:
-            await error.response(headers={"x-request-id": request_id})(scope, receive, send)
+            await error.response(headers={request_ids.HEADER: request_id})(scope, receive, send)
         elif response.event_stream and not response.complete:
             await send({"type": "http.response.body", "body": sse_event(error.body()).encode(), "more_body": False})

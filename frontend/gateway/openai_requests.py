@@ -5,12 +5,15 @@ Unknown fields are ignored as OpenAI's own API does; a field of the wrong type i
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any, Literal
 
 import msgspec
 
 from frontend.gateway.errors import bad_request
 from frontend.gateway.json_wire import MAX_JSON_DEPTH, nesting_exceeds
+from frontend.gateway.request_ids import per_choice
 from tokend.v1 import tokend_pb2 as pb
 
 _UINT32_END = 2**32
@@ -18,6 +21,23 @@ _UINT32_END = 2**32
 # (max_tokens and max_completion_tokens reach one clamped; n and best_of never reach one.)
 _INTEGER_ENDS = {"top_k": _UINT32_END, "logprobs": _UINT32_END, "top_logprobs": _UINT32_END, "seed": 2**64}
 _CLAMPED = ("max_tokens", "max_completion_tokens")  # clamped to the field's range; below 1 is refused
+# The unsupported fields of SamplingFields, and the values that ask for nothing (and so are accepted).
+_UNSUPPORTED = {
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+# A batch of prompts fans out into prompts x n gRPC calls, each holding a place in the frontend's admission queue:
+# the bound keeps one request from filling that queue (256 places by default) on its own.
+MAX_BATCH_CHOICES = 128
 
 
 class StreamOptions(msgspec.Struct):
@@ -38,15 +58,34 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # OpenAI's: token ids (as strings, JSON keys being strings) to a bias added to their logits.
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's sampling extensions tokend does not implement, decoded only to be refused (see _UNSUPPORTED): a client
+    # that turns one on must not get output it did not ask for.
+    min_tokens: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    # tokend's admission class (vLLM takes an integer here; ours are named): unset is the tenant's own class.
+    priority: Literal["interactive", "batch"] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int | str]
+    # A string, a list of token ids (one prompt), or a batch: a list of strings or of token id lists.
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -70,7 +109,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
+    # vLLM's extensions for the chat template (see docs/chat-templates.md).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 def decode(body: bytes, request_type: type):
@@ -88,33 +132,57 @@ def decode(body: bytes, request_type: type):
         raise bad_request("the body nests arrays and objects too deeply") from None
 
 
-def completion_to_grpc(request: CompletionRequest, max_n: int) -> list[pb.GenerateRequest]:
-    """One GenerateRequest per choice (n of them)."""
+def completion_to_grpc(request: CompletionRequest, max_n: int, request_id: str) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per choice: n for each prompt, in the order of their `index` (prompt index * n + choice),
+    each with its request id (see request_ids.per_choice)."""
     _check_common(request, max_n)
     if request.echo or request.suffix is not None:
         raise bad_request("echo and suffix are not supported", "echo" if request.echo else "suffix")
     if request.best_of not in (None, request.n):
         raise bad_request("best_of other than n is not supported", "best_of")
-    prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
-        raise bad_request("prompt: a string, or a list of token ids; send one request per prompt", "prompt")
-    if isinstance(prompt, list) and prompt and not (min(prompt) >= 0 and max(prompt) < _UINT32_END):
-        raise bad_request(f"prompt: token ids must be between 0 and {_UINT32_END - 1}", "prompt")
+    prompts = completion_prompts(request.prompt)
+    if len(prompts) * request.n > MAX_BATCH_CHOICES:
+        raise bad_request(
+            f"prompt: at most {MAX_BATCH_CHOICES} choices (prompts x n) per request; "
+            f"got {len(prompts)} prompts x n={request.n}",
+            "prompt",
+        )
     sampling = _sampling(request, request.max_tokens, request.logprobs)  # unset: the API default (16, as OpenAI)
-    base = pb.GenerateRequest(model=request.model, sampling=sampling)
-    if isinstance(prompt, str):
-        base.prompt = prompt
+    choice_ids = per_choice(request_id, len(prompts) * request.n)
+    requests = []
+    for index, prompt in enumerate(prompts):
+        base = pb.GenerateRequest(model=request.model, sampling=sampling, priority=_priority(request))
+        if isinstance(prompt, str):
+            base.prompt = prompt
+        else:
+            base.token_ids.ids.extend(prompt)
+        requests += _choices(base, choice_ids[index * request.n : (index + 1) * request.n])
+    return requests
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The prompts a completions request holds, as OpenAI reads its `prompt`: a string or a list of token ids is one
+    prompt; a list of strings, or of token id lists, is a batch."""
+    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+        prompts, batch = [prompt], False
+    elif all(isinstance(item, str) for item in prompt) or all(isinstance(item, list) for item in prompt):
+        prompts, batch = list(prompt), True
     else:
-        base.token_ids.ids.extend(prompt)
-    return _per_choice(base, request.n)
+        raise bad_request(
+            "prompt: a string, a list of token ids, or a list of either (strings and token ids not mixed)", "prompt"
+        )
+    for index, item in enumerate(prompts):
+        if isinstance(item, list) and item and not (min(item) >= 0 and max(item) < _UINT32_END):
+            field = f"prompt[{index}]" if batch else "prompt"
+            raise bad_request(f"{field}: token ids must be between 0 and {_UINT32_END - 1}", field)
+    return prompts
 
 
-def chat_to_grpc(request: ChatCompletionRequest, max_n: int) -> list[pb.GenerateRequest]:
+def chat_to_grpc(request: ChatCompletionRequest, max_n: int, request_id: str) -> list[pb.GenerateRequest]:
     _check_common(request, max_n)
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        # The template sees the tools, but nothing parses or forces a call in the output.
+        raise bad_request("only tool_choice 'auto' or 'none' is supported (tool calls are not parsed)", "tool_choice")
     if request.response_format not in (None, {"type": "text"}):
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -127,16 +195,23 @@ def chat_to_grpc(request: ChatCompletionRequest, max_n: int) -> list[pb.Generate
     if max_tokens is None:
         sampling.fill_context = True  # OpenAI's chat default: up to the end of the context
     messages = [pb.ChatMessage(role=m.role, content=_text(m, index)) for index, m in enumerate(request.messages)]
-    base = pb.GenerateRequest(model=request.model, sampling=sampling, chat=pb.ChatMessages(messages=messages))
-    return _per_choice(base, request.n)
+    chat = pb.ChatMessages(
+        messages=messages,
+        add_generation_prompt=request.add_generation_prompt,  # None leaves it unset: the template's default
+        continue_final_message=request.continue_final_message,
+        tools_json=json.dumps(request.tools) if request.tools and request.tool_choice != "none" else "",
+        template_kwargs_json=json.dumps(request.chat_template_kwargs) if request.chat_template_kwargs else "",
+    )
+    base = pb.GenerateRequest(model=request.model, sampling=sampling, chat=chat, priority=_priority(request))
+    return _choices(base, per_choice(request_id, request.n))
 
 
 def _check_common(request: SamplingFields, max_n: int) -> None:
     if not 1 <= request.n <= max_n:
         raise bad_request(f"n: must be between 1 and {max_n}, got {request.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise bad_request(f"{name}: penalties are not supported; leave it 0", name)
+    for name, off in _UNSUPPORTED.items():
+        if getattr(request, name) not in off:
+            raise bad_request(f"{name}: not supported by this server; leave it unset", name)
     # Checked here because the protobuf fields they go into raise a bare ValueError ("Value out of range") that
     # names no field. max_tokens and max_completion_tokens are clamped instead, so they only need to be positive.
     for name, end in _INTEGER_ENDS.items():
@@ -149,16 +224,26 @@ def _check_common(request: SamplingFields, max_n: int) -> None:
             raise bad_request(f"{name}: must be at least 1, got {value}", name)
     if any(not 0 <= t < _UINT32_END for t in request.stop_token_ids or ()):
         raise bad_request(f"stop_token_ids: token ids must be between 0 and {_UINT32_END - 1}", "stop_token_ids")
+    # Ranges, the vocabulary and the count are the frontend's checks (they hold for gRPC clients too); here only
+    # what the protobuf map could not carry: keys that are not token ids.
+    for key in request.logit_bias or {}:
+        if not (key.isascii() and key.isdigit() and int(key) < _UINT32_END):
+            raise bad_request(f"logit_bias: keys must be token ids (0 to {_UINT32_END - 1}), got {key!r}", "logit_bias")
 
 
 def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
     sampling = pb.SamplingParams(
-        top_k=request.top_k or 0,
-        min_p=request.min_p or 0.0,
         ignore_eos=request.ignore_eos,
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         stop_token_ids=request.stop_token_ids or [],
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias={int(key): bias for key, bias in (request.logit_bias or {}).items()},
     )
+    # Unset stays unset, so that the model's generation_config.json defaults apply (see protos' SamplingParams).
+    for name in ("top_k", "min_p", "repetition_penalty"):
+        if (value := getattr(request, name)) is not None:
+            setattr(sampling, name, value)
     if max_tokens is not None:
         if max_tokens < 1:
             raise bad_request(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
@@ -174,12 +259,20 @@ def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | N
     return sampling
 
 
-def _per_choice(base: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
-    """n requests; with a seed, choice i samples with seed + i so that the choices differ but repeat."""
+def _priority(request: SamplingFields) -> pb.Priority:
+    return {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}.get(
+        request.priority, pb.PRIORITY_UNSPECIFIED
+    )
+
+
+def _choices(base: pb.GenerateRequest, choice_ids: list[str]) -> list[pb.GenerateRequest]:
+    """One prompt's n requests; with a seed, its choice i samples with seed + i so that the choices differ but
+    repeat (and a prompt samples alike alone or in a batch)."""
     requests = []
-    for index in range(n):
+    for index, choice_id in enumerate(choice_ids):
         request = pb.GenerateRequest()
         request.CopyFrom(base)
+        request.request_id = choice_id
         if index and base.sampling.HasField("seed"):
             request.sampling.seed = (base.sampling.seed + index) % 2**64
         requests.append(request)

@@ -22,23 +22,32 @@ class ChoiceState:
 
 
 class ResponseShape:
-    """The id, timestamps and model every chunk and body of one response repeats; completions or chat."""
+    """The id, timestamps and model every chunk and body of one response repeats; completions or chat.
 
-    def __init__(self, chat: bool, model: str, n: int, include_usage: bool, wants_logprobs: bool):
+    A response has `n` choices: `per_prompt` for each of its prompts (completions take a batch of prompts), so that
+    choice `index` answers prompt `index // per_prompt`."""
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        n: int,
+        include_usage: bool,
+        wants_logprobs: bool,
+        request_id: str | None = None,
+        per_prompt: int | None = None,
+    ):
         self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # OpenAI's id shape around the request's id: the one a client sent as X-Request-Id finds it here too.
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
         self.wants_logprobs = wants_logprobs
         self.choices = [ChoiceState(i) for i in range(n)]
+        self.per_prompt = per_prompt or n
 
     # -- streaming ----------------------------------------------------------------------------------------------
-
-    def role_chunk(self, index: int) -> dict:
-        return self._chunk(
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
 
     def chunk(self, index: int, response: pb.GenerateResponse) -> dict:
         """Records a frontend chunk and returns the OpenAI chunk for it."""
@@ -46,12 +55,16 @@ class ResponseShape:
         if response.model:
             self.model = response.model
         logprobs = self._logprobs(choice, list(response.logprobs)) if self.wants_logprobs else None
+        first = not choice.text
         choice.text.append(response.text)
         choice.logprobs.extend(response.logprobs)
         choice.usage = response.usage
         choice.finish_reason = response.finish_reason or None
         if self.chat:
-            entry = {"index": index, "delta": {"content": response.text}, "logprobs": logprobs}
+            # The role rides on the choice's first token, never ahead of it: clients that time the first token
+            # by the first chunk (vLLM's benchmark does) would otherwise time the end of admission, not of prefill.
+            delta = {"role": "assistant", "content": response.text} if first else {"content": response.text}
+            entry = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             entry = {"index": index, "text": response.text, "logprobs": logprobs}
         entry["finish_reason"] = choice.finish_reason
@@ -94,11 +107,13 @@ class ResponseShape:
         }
 
     def usage(self) -> dict:
-        """The prompt is counted once, however many choices it had; completions add up."""
-        usages = [c.usage for c in self.choices if c.usage is not None]
-        prompt = usages[0].prompt_tokens if usages else 0
-        cached = usages[0].cached_tokens if usages else 0
-        completion = sum(u.completion_tokens for u in usages)
+        """Each prompt is counted once, however many choices it had; completions add up."""
+        prompt = cached = completion = 0
+        for first in range(0, len(self.choices), self.per_prompt):
+            usages = [c.usage for c in self.choices[first : first + self.per_prompt] if c.usage is not None]
+            prompt += usages[0].prompt_tokens if usages else 0
+            cached += usages[0].cached_tokens if usages else 0
+            completion += sum(u.completion_tokens for u in usages)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
+from frontend.gateway import request_ids
 from frontend.gateway.calls import GenerateCalls
 from frontend.gateway.errors import OpenAIError, from_grpc
 from frontend.gateway.json_wire import LineSafeJSONResponse
+from frontend.gateway.metrics_endpoint import MetricsEndpoint
 from frontend.gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,11 +24,11 @@ from frontend.gateway.openai_requests import (
     decode,
 )
 from frontend.gateway.openai_responses import ResponseShape
+from frontend.gateway.playground_page import page_response
 from frontend.gateway.spec import GatewaySpec
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
-PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may hold tokens back
 
 
@@ -40,6 +41,7 @@ class GatewayRoutes:
             "tokend:http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
         self.open_streams = Gauge("tokend:http_streams_open", "SSE streams open", registry=self.registry)
+        self.metrics_endpoint = MetricsEndpoint(self.registry, spec.metrics_socket, spec.metrics_token_sha256)
 
     async def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.spec.grpc_address)
@@ -52,20 +54,21 @@ class GatewayRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = decode(await request.body(), CompletionRequest)
-        grpc_requests = completion_to_grpc(body, self.spec.max_n)
+        grpc_requests = completion_to_grpc(body, self.spec.max_n, request_ids.of(request))
         return await self._generate(request, body, grpc_requests, chat=False, wants_logprobs=body.logprobs is not None)
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode(await request.body(), ChatCompletionRequest)
-        grpc_requests = chat_to_grpc(body, self.spec.max_n)
+        grpc_requests = chat_to_grpc(body, self.spec.max_n, request_ids.of(request))
         return await self._generate(request, body, grpc_requests, chat=True, wants_logprobs=body.logprobs)
 
     async def _generate(self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool) -> Response:
         metadata = _auth_metadata(request)
-        calls = GenerateCalls(pb_grpc.GenerationStub(self.channel), grpc_requests, metadata, chat)
+        calls = GenerateCalls(pb_grpc.GenerationStub(self.channel), grpc_requests, metadata, chat, per_prompt=body.n)
         await calls.admitted()  # a refusal becomes a real HTTP status, before any byte of a stream
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        shape = ResponseShape(chat, calls.model or body.model, len(grpc_requests), include_usage, wants_logprobs)
+        model, n = calls.model or body.model, len(grpc_requests)
+        shape = ResponseShape(chat, model, n, include_usage, wants_logprobs, request_ids.of(request), per_prompt=body.n)
         if not body.stream:
             return LineSafeJSONResponse(await _until_disconnect(request, calls.collect(shape), calls))
         return StreamingResponse(
@@ -85,23 +88,27 @@ class GatewayRoutes:
     # -- the rest -----------------------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
+        created = int(time.time())
+        data = [_model_object(m.name, m, created) for m in await self._served_models(request)]
+        return LineSafeJSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One served model, by its name or one of its aliases (the object then has the alias as its id)."""
+        wanted = request.path_params["model_id"]
+        served = await self._served_models(request)
+        found = next((m for m in served if wanted == m.name or wanted in m.aliases), None)
+        if found is None:
+            raise OpenAIError(404, f"model: {wanted!r} is not served here", "not_found_error", "model")
+        return LineSafeJSONResponse(_model_object(wanted, found, int(time.time())))
+
+    async def _served_models(self, request: Request) -> list[pb.ModelInfo]:
+        """The models the caller may use (the frontend leaves out those its tenant may not)."""
         stub = pb_grpc.GenerationStub(self.channel)
         try:
             reply = await stub.ListModels(pb.ListModelsRequest(), metadata=_auth_metadata(request), timeout=10)
         except grpc.aio.AioRpcError as error:
             raise from_grpc(error.code(), error.details(), chat=False) from None
-        created = int(time.time())
-        data = [
-            {
-                "id": m.name,
-                "object": "model",
-                "created": created,
-                "owned_by": "tokend",
-                "max_model_len": m.max_model_len,
-            }
-            for m in reply.models
-        ]
-        return LineSafeJSONResponse({"object": "list", "data": data})
+        return list(reply.models)
 
     async def health(self, request: Request) -> Response:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -117,10 +124,10 @@ class GatewayRoutes:
         ).response()
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return await self.metrics_endpoint.response(request)  # its own series, then the engine's
 
     async def playground(self, request: Request) -> Response:
-        return FileResponse(PLAYGROUND, media_type="text/html")
+        return page_response()  # with its content-security headers
 
 
 def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
@@ -132,6 +139,20 @@ def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
     if not (authorization.isascii() and authorization.isprintable()):
         raise OpenAIError(401, "authorization: the API key must be printable ASCII", "authentication_error")
     return (("authorization", authorization),)
+
+
+def _model_object(model_id: str, model: pb.ModelInfo, created: int) -> dict:
+    """OpenAI's model object, with vLLM's additions: `root`, the model the id names (clients such as vLLM's
+    benchmark read it), `parent` (a fine-tune's base; none here) and `max_model_len`."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "tokend",
+        "root": model.name,
+        "parent": None,
+        "max_model_len": model.max_model_len,
+    }
 
 
 async def _until_disconnect(request: Request, work, calls: GenerateCalls):

@@ -22,6 +22,12 @@ class GatewaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     header_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024  # one beyond this gets a 503 and is closed
     log_level: str = "info"
+    # The frontend's metrics socket (FrontendSpec.metrics_socket): /metrics serves the engine's metrics from it
+    # after the gateway's own. "" (the gateway run alone): its own only.
+    metrics_socket: str = ""
+    metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none
+    # Created once this process's own listener is bound: the daemon's proof that it is ours ("" = none).
+    listening_path: str = ""
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

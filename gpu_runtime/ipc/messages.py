@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from gpu_runtime.ipc.enums import FinishReason, Priority
-from gpu_runtime.ipc.sampling_params import SamplingParams
+from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
 
 # -- frontend -> scheduler --------------------------------------------------------------------------------
 
@@ -64,6 +64,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache instead of computed
     error: str | None = None  # with FinishReason.ERROR: why the scheduler refused the request
+    # On the delta with the request's first token: seconds from its arrival at the scheduler to the step that
+    # first scheduled it (its queue time; the frontend adds its own wait in admission).
+    queued_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -93,6 +96,10 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     page_size: int
     max_num_seqs: int  # the running batch's depth: the frontend dispatches about this many at once
     proof: bytes  # PeerAuth.ready_proof(worker_id, incarnation): the sender read the daemon's per-boot secret
+    # The model's defaults for sampling fields a request leaves unset (--generation-config); the frontend fills them.
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
+    # --chat-template, absolute; None: the checkpoint's own template (the frontend renders chats).
+    chat_template: str | None = None
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):
@@ -115,9 +122,16 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     # The longest of the recent engine steps: reports come between steps, so the frontend allows a silence of
     # a few of these before it calls the scheduler stuck.
     longest_recent_step_ms: float = 0.0
+    # Tokens each engine step computed (prompt chunks plus decodes), counted per bucket of ITERATION_TOKEN_BUCKETS
+    # since the process started: [count <= bucket 0, count in (bucket 0, bucket 1], ..., count > the last bucket].
+    iteration_token_counts: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport
+
+# Upper bounds of LoadReport.iteration_token_counts' buckets: vLLM's for vllm:iteration_tokens_total.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # The most a receiving socket takes in one message (zmq.MAXMSGSIZE; a bigger one makes zmq drop the sender's
 # connection). Far above any real message: the largest are an AddRequest with a whole context's prompt (about

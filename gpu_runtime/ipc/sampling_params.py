@@ -23,6 +23,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     stop_token_ids: tuple[int, ...] = ()  # finish on any of these, eos or not
     ignore_eos: bool = False  # keep generating past the model's eos ids (benchmarks)
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: also the top n
+    # Penalties as vLLM defines them. Presence and frequency (OpenAI's) look at the tokens generated so far:
+    # each seen token's logit loses presence_penalty once and frequency_penalty per occurrence. Repetition
+    # (transformers' and vLLM's) looks at prompt and output: a seen token's logit is divided by it when
+    # positive, multiplied by it otherwise.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to those tokens' logits before the penalties; a dict is accepted and kept
+    # sorted by id, so that equal requests are equal (and hashable) whatever order their bias came in.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -43,13 +53,73 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             "None or an integer in [0, 20]",
             self.logprobs,
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(
+                is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                value,
+            )
+        rep = self.repetition_penalty
+        require(is_number(rep) and rep > 0, "repetition_penalty", "a number > 0 (1 = off)", rep)
         if isinstance(self.stop_token_ids, list):  # a list given in Python; the wire already decodes a tuple
             msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        msgspec.structs.force_setattr(self, "logit_bias", _checked_logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         # Below this, logits / temperature overflows float32; such a temperature means greedy anyway.
         return self.temperature < _GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits (rows without skip gpu_runtime.penalties)."""
+        return bool(
+            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
 
 _GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias: +-100 bans or forces a token anyway
+MAX_LOGIT_BIAS_ENTRIES = 300  # tokens one request may bias, so its size (and the sampler's work) stays small
+
+
+def _checked_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """The bias as (id, bias) pairs sorted by id; ValueError naming logit_bias and the first bad entry."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError(f"logit_bias: must be a map of token ids to biases, got {type(value).__name__}")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens may be biased, got {len(pairs)}")
+    for pair in pairs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0):
+            raise ValueError(f"logit_bias: each key must be a token id >= 0, got {pair!r}")
+        if not (is_number(pair[1]) and -MAX_LOGIT_BIAS <= pair[1] <= MAX_LOGIT_BIAS):
+            raise ValueError(
+                f"logit_bias: the bias of token {pair[0]} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {pair[1]!r}"
+            )
+    if len({token_id for token_id, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias: a token id appears twice")
+    return tuple(sorted((token_id, float(bias)) for token_id, bias in pairs))
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A model's own defaults for the sampling fields a request leaves unset (read from its generation_config.json
+    by gpu_runtime.generation_defaults, as vLLM's --generation-config auto does); None: SamplingParams' default.
+
+    The engine reads them with the checkpoint and sends them in its SchedulerReady; the frontend fills them in,
+    since only it knows which fields a request set.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The defaults that are set, by SamplingParams field name."""
+        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}

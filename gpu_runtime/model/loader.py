@@ -13,6 +13,7 @@ from safetensors import safe_open
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.llama import LlamaForCausalLM
+from gpu_runtime.model.load_progress import LoadProgress
 
 # transformers name fragment -> (our fused parameter, which shard of it)
 _FUSED_SHARDS = {
@@ -42,10 +43,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+    files = safetensors_files(model_dir)
+    with LoadProgress(model_dir, files) as progress:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+                    progress.advance(tensor.numel() * tensor.element_size())
 
 
 def load_model(

@@ -186,6 +186,8 @@ class SchedulerLoop:
             page_size=engine.kv.page_size,
             max_num_seqs=engine.config.max_num_seqs,
             proof=self._auth.ready_proof(self.spec.worker_id, self.incarnation),
+            sampling_defaults=engine.sampling_defaults,
+            chat_template=engine.chat_template,
         )
 
     def _report_when_due(self) -> None:
@@ -212,6 +214,8 @@ class SchedulerLoop:
                 mean_step_ms=snapshot.mean_step_ms,
                 sent_at=time.time(),
                 longest_recent_step_ms=1e3 * max(self._recent_step_seconds, default=0.0),
+                iteration_token_counts=list(self.engine.stats.iteration_token_counts),
+                iteration_tokens_sum=self.engine.stats.iteration_tokens_sum,
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

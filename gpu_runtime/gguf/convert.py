@@ -1,0 +1,131 @@
+"""Converts a GGUF file, once, into a transformers checkpoint directory in tokend's cache, which is what the
+engine then loads: restarts read safetensors (seconds) instead of dequantizing again.
+
+The directory holds config.json, generation_config.json, tokenizer.json, tokenizer_config.json (special tokens
+and the chat template), the weights as *.safetensors (float32, or F16/BF16 as stored: dequantized values are
+exact in float32) and gguf_source.json saying what it was made from. It is keyed by the GGUF file's path, size
+and modification time, so a replaced file is converted anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import torch
+from gguf import GGMLQuantizationType, ReaderTensor
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from gpu_runtime.default_model import cache_dir, write_once
+from gpu_runtime.gguf.dequantize import FLOAT_TYPES, check_supported, dequantize
+from gpu_runtime.gguf.model_config import generation_config, hf_config
+from gpu_runtime.gguf.reader import GGUFFile, engine_shape, read_gguf
+from gpu_runtime.gguf.tokenizer import build_tokenizer, tokenizer_config
+from gpu_runtime.gguf.weights import SKIPPED, to_transformers_layout, transformers_name
+
+CONVERTER_VERSION = 1  # bump when the output changes, so that stale conversions are not served
+MAX_SHARD_BYTES = 4 << 30
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    """Where this GGUF file's conversion lives in the cache (whether or not it exists yet)."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_dir() / "models" / "gguf" / f"{gguf_path.name.removesuffix('.gguf')}-{key}"
+
+
+def ensure_converted(gguf_path: str | Path) -> Path:
+    """The converted checkpoint directory of a GGUF file, converting it first if this cache has none."""
+    gguf_path = Path(gguf_path)
+    return write_once(converted_dir(gguf_path), lambda scratch: convert_gguf(gguf_path, scratch))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Writes the checkpoint into `out_dir`; raises ValueError naming what tokend cannot read (an architecture, a
+    tensor type, a tokenizer) before the long part starts."""
+    started = time.monotonic()
+    log = structlog.get_logger() if structlog.is_configured() else None
+    if log is not None:
+        log.info("converting_gguf", source=str(gguf_path), target=str(out_dir.parent))
+    gguf = read_gguf(gguf_path)
+    tensors = {t.name: t for t in gguf.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"model: GGUF file {gguf_path} has no token_embd.weight: not a language model tokend reads")
+    rope_factors = _dequantized(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    config = hf_config(gguf, rope_factors)
+    tokenizer = build_tokenizer(gguf)
+    weights = [t for name, t in tensors.items() if name not in SKIPPED]
+    names = {t.name: transformers_name(t.name) for t in weights}  # refuses unknown tensors before any work
+    for t in weights:
+        check_supported(t.tensor_type, t.name)
+    config["vocab_size"] = engine_shape(tensors["token_embd.weight"])[0]
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", generation_config(gguf))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(gguf))
+    heads = (config["num_attention_heads"], config["num_key_value_heads"])
+    _write_weights(gguf, weights, names, heads, out_dir)
+    source = {"source": str(gguf_path.resolve()), "bytes": gguf_path.stat().st_size, "converter": CONVERTER_VERSION}
+    _write_json(out_dir / "gguf_source.json", {**source, "general.name": gguf.metadata.get("general.name")})
+    if log is not None:
+        log.info("gguf_converted", source=str(gguf_path), seconds=round(time.monotonic() - started, 3))
+
+
+def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
+    return dequantize(tensor.data, tensor.tensor_type, engine_shape(tensor), tensor.name)
+
+
+def _output_bytes(tensor: ReaderTensor) -> int:
+    dtype = FLOAT_TYPES.get(GGMLQuantizationType(tensor.tensor_type), torch.float32)
+    return int(tensor.n_elements) * dtype.itemsize
+
+
+def _shards(weights: list[ReaderTensor]) -> list[list[ReaderTensor]]:
+    """Tensors grouped into files of at most MAX_SHARD_BYTES (a tensor larger than that gets a file of its own)."""
+    shards: list[list[ReaderTensor]] = [[]]
+    size = 0
+    for tensor in weights:
+        if shards[-1] and size + _output_bytes(tensor) > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += _output_bytes(tensor)
+    return shards
+
+
+def _write_weights(
+    gguf: GGUFFile, weights: list[ReaderTensor], names: dict[str, str], heads: tuple[int, int], out_dir: Path
+) -> None:
+    shards = _shards(weights)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    with tqdm(
+        total=sum(_output_bytes(t) for t in weights), desc=f"converting {gguf.path.name}", unit="B", unit_scale=True,
+        unit_divisor=1024, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True,
+    ) as progress:  # fmt: skip
+        for shard, file_name in zip(shards, files, strict=True):
+            tensors = {}
+            for tensor in shard:
+                value = to_transformers_layout(tensor.name, _dequantized(tensor), *heads)
+                tensors[names[tensor.name]] = value
+                weight_map[names[tensor.name]] = file_name
+                progress.update(_output_bytes(tensor))
+            save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(_output_bytes(t) for t in weights)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")

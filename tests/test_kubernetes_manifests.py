@@ -1,0 +1,660 @@
+"""deploy/kubernetes/: every overlay renders with `kubectl kustomize`, every object is one the Kubernetes API accepts,
+and what a user relies on holds: the config in the ConfigMap is a valid tokend config once mounted, the probes speak
+gRPC health on tokend's port, the grace period outlasts the drain, the Secret and volumes sit where the config points.
+
+Core objects are checked against the `kubernetes` client's models (pydantic, strict: unknown fields, wrong types,
+missing required fields), plus the JSON field names themselves (the models also accept their Python names). No PyPI
+package ships the CRDs' schemas, so InferencePool, PodMonitor and HTTPRoute are checked against the subsets below,
+written from the published CRDs for the fields these manifests use, closed to any other field.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import kubernetes.client as k8s
+import pytest
+import yaml
+
+from daemon.cli import build_parser
+from daemon.config import ServeConfig, load_serve_config
+from frontend.lifecycle import LIVENESS_SERVICE
+
+ROOT = Path(__file__).resolve().parent.parent
+KUSTOMIZE_ROOT = ROOT / "deploy" / "kubernetes"
+KUBECTL = shutil.which("kubectl")
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None,
+    reason="kubectl is not installed (its built-in kustomize renders the manifests): apt-get install kubectl",
+)
+
+# What each variant is made of: an overlay directory, or one composed here of an overlay and components.
+VARIANTS = {
+    "base": ("base", ()),
+    "cpu": ("overlays/cpu", ()),
+    "gpu": ("overlays/gpu", ()),
+    "gpu-inference-pool": ("overlays/gpu-inference-pool", ()),
+    "cpu+models-hostpath": ("overlays/cpu", ("components/models-hostpath",)),
+}
+IMAGE_UID = 10001  # the Dockerfile's `tokend` user (checked against its USER below)
+STARTUP_WINDOW_S = 15 * 60  # loading and warming up a large model
+# After drain_timeout the supervisor gives the frontend 10 s more, then the gateway and the schedulers 10 s each
+# (daemon/supervisor.py, _shut_down): the most it takes beyond the drain before everything is reaped.
+SHUTDOWN_AFTER_DRAIN_S = 30
+
+
+# -- rendering ------------------------------------------------------------------------------------------------------
+
+
+def _kustomize(directory: Path | str) -> list[dict]:
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+
+
+@functools.cache
+def rendered(variant: str) -> tuple[dict, ...]:
+    directory, components = VARIANTS[variant]
+    if not components:
+        return tuple(_kustomize(KUSTOMIZE_ROOT / directory))
+    with tempfile.TemporaryDirectory() as tmp:
+        # kustomize takes no absolute paths, but relative ones may leave the kustomization's directory.
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [os.path.relpath(KUSTOMIZE_ROOT / directory, tmp)],
+            "components": [os.path.relpath(KUSTOMIZE_ROOT / c, tmp) for c in components],
+        }
+        Path(tmp, "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        return tuple(_kustomize(tmp))
+
+
+def find(objects: tuple[dict, ...], kind: str, name: str | None = None) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: tuple[dict, ...], kind: str, name: str | None = None) -> dict:
+    (found,) = find(objects, kind, name)
+    return found
+
+
+# -- validation against the Kubernetes API -------------------------------------------------------------------------
+
+
+# How the models name their fields' types: List[V1Container], Dict[str, str].
+_LIST_OF = re.compile(r"^List\[(.+)\]$")
+_MAP_OF = re.compile(r"^Dict\[str, (.+)\]$")
+
+
+def _json_name_errors(value: object, type_name: str, path: str) -> list[str]:
+    """Keys that are not the API's JSON field names (the pydantic models also take `image_pull_policy` for
+    `imagePullPolicy`, which the API server would refuse)."""
+    if (items := _LIST_OF.match(type_name)) and isinstance(value, list):
+        return [e for i, item in enumerate(value) for e in _json_name_errors(item, items[1], f"{path}[{i}]")]
+    if (values := _MAP_OF.match(type_name)) and isinstance(value, dict):
+        return [e for key, item in value.items() for e in _json_name_errors(item, values[1], f"{path}.{key}")]
+    model = getattr(k8s, type_name, None)
+    if model is None or not isinstance(value, dict):
+        return []  # a primitive or free-form JSON: the model's validation checks its type
+    by_json_name = {json_name: attribute for attribute, json_name in model.attribute_map.items()}
+    errors = []
+    for key, item in value.items():
+        if key not in by_json_name:
+            errors.append(f"{path}.{key}: not a field of {type_name}")
+        else:
+            errors += _json_name_errors(item, model.openapi_types[by_json_name[key]], f"{path}.{key}")
+    return errors
+
+
+def _served_by_api(obj: dict) -> bool:
+    """Whether the client has the API that serves this apiVersion and kind (apps/v1 Deployment: AppsV1Api)."""
+    group, _, version = obj["apiVersion"].rpartition("/")
+    prefix = "".join(part.capitalize() for part in group.removesuffix(".k8s.io").split(".")) if group else "Core"
+    api = getattr(k8s, f"{prefix}{version.capitalize()}Api", None)
+    kind = re.sub(r"(?<!^)(?=[A-Z])", "_", obj["kind"]).lower()
+    return api is not None and (hasattr(api, f"create_namespaced_{kind}") or hasattr(api, f"create_{kind}"))
+
+
+def api_errors(obj: dict) -> list[str]:
+    """What the API server would refuse in a core object: empty when the object is valid."""
+    version = obj["apiVersion"].rpartition("/")[2]
+    model = getattr(k8s, f"{version[0].upper()}{version[1:]}{obj['kind']}", None)
+    if model is None or not _served_by_api(obj):
+        return [f"{obj['apiVersion']} {obj['kind']}: not a Kubernetes API object"]
+    errors = _json_name_errors(obj, model.__name__, obj["kind"])
+    try:
+        model.model_validate(obj)  # unknown fields, wrong types, missing required fields
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def _closed(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+_PORT_NUMBER = {"type": "integer", "minimum": 1, "maximum": 65535}
+_DNS_SUBDOMAIN = {
+    "type": "string",
+    "maxLength": 253,
+    "pattern": r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+}
+_KIND = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+_NAMESPACE = {"type": "string", "minLength": 1, "maxLength": 63, "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_LABEL_SELECTOR = _closed(
+    {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": _closed(
+                {"key": {"type": "string"}, "operator": {"type": "string"}, "values": {"type": "array"}},
+                ("key", "operator"),
+            ),
+        },
+    }
+)
+# inference.networking.k8s.io_inferencepools.yaml, v1 (Gateway API Inference Extension v1.0 to v1.6).
+_INFERENCE_POOL_PORT = _closed({"number": _PORT_NUMBER}, ("number",))
+INFERENCE_POOL_SPEC = _closed(
+    {
+        "selector": _closed(
+            {
+                "matchLabels": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "maxProperties": 64,
+                    "additionalProperties": {
+                        "type": "string",
+                        "maxLength": 63,
+                        "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$",
+                    },
+                }
+            },
+            ("matchLabels",),
+        ),
+        "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _INFERENCE_POOL_PORT},
+        "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+        "endpointPickerRef": {
+            **_closed(
+                {
+                    "group": _DNS_SUBDOMAIN,
+                    "kind": _KIND,
+                    "name": _NAME,
+                    "port": _INFERENCE_POOL_PORT,
+                    "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                },
+                ("name",),
+            ),
+            # The CRD's CEL rule: a port when the kind is Service, its default.
+            "anyOf": [
+                {"required": ["port"]},
+                {"required": ["kind"], "properties": {"kind": {"not": {"const": "Service"}}}},
+            ],
+        },
+    },
+    ("selector", "targetPorts"),
+)
+# monitoring.coreos.com_podmonitors.yaml, v1 (Prometheus Operator v0.93).
+PODMONITOR_SPEC = _closed(
+    {
+        "selector": _LABEL_SELECTOR,
+        "namespaceSelector": _closed({"any": {"type": "boolean"}, "matchNames": {"type": "array"}}),
+        "jobLabel": {"type": "string"},
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "podMetricsEndpoints": {
+            "type": "array",
+            "items": _closed(
+                {
+                    "port": {"type": "string"},
+                    "portNumber": _PORT_NUMBER,
+                    "path": {"type": "string"},
+                    "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                    "interval": _DURATION,
+                    "scrapeTimeout": _DURATION,
+                    "honorLabels": {"type": "boolean"},
+                    "authorization": _closed(
+                        {
+                            "type": {"type": "string"},
+                            "credentials": _closed(
+                                {
+                                    "name": {"type": "string"},
+                                    "key": {"type": "string"},
+                                    "optional": {"type": "boolean"},
+                                },
+                                ("key",),
+                            ),
+                        }
+                    ),
+                }
+            ),
+        },
+    },
+    ("selector",),
+)
+# gateway.networking.k8s.io_httproutes.yaml, v1 (Gateway API v1.6, standard channel).
+HTTPROUTE_SPEC = _closed(
+    {
+        "hostnames": {"type": "array", "maxItems": 16, "items": {"type": "string"}},
+        "parentRefs": {
+            "type": "array",
+            "maxItems": 32,
+            "items": _closed(
+                {
+                    "group": _DNS_SUBDOMAIN,
+                    "kind": _KIND,
+                    "name": _NAME,
+                    "namespace": _NAMESPACE,
+                    "sectionName": {"type": "string", "minLength": 1, "maxLength": 253},
+                    "port": _PORT_NUMBER,
+                },
+                ("name",),
+            ),
+        },
+        "rules": {
+            "type": "array",
+            "maxItems": 16,
+            "items": _closed(
+                {
+                    "name": {"type": "string"},
+                    "matches": {
+                        "type": "array",
+                        "items": _closed(
+                            {
+                                "path": _closed(
+                                    {
+                                        "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+                                        "value": {"type": "string", "maxLength": 1024},
+                                    }
+                                )
+                            }
+                        ),
+                    },
+                    "backendRefs": {
+                        "type": "array",
+                        "items": _closed(
+                            {
+                                "group": _DNS_SUBDOMAIN,
+                                "kind": _KIND,
+                                "name": _NAME,
+                                "namespace": _NAMESPACE,
+                                "port": _PORT_NUMBER,
+                                "weight": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                            },
+                            ("name",),
+                        ),
+                    },
+                    "timeouts": _closed({"request": {"type": "string"}, "backendRequest": {"type": "string"}}),
+                }
+            ),
+        },
+    }
+)
+CRD_SPECS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_SPEC,
+    ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SPEC,
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_SPEC,
+}
+
+
+def crd_errors(obj: dict) -> list[str]:
+    schema = CRD_SPECS.get((obj["apiVersion"], obj["kind"]))
+    if schema is None:
+        return [f"{obj['apiVersion']} {obj['kind']}: neither a Kubernetes API object nor a known CRD"]
+    document = _closed({"apiVersion": {}, "kind": {}, "metadata": {"type": "object"}, "spec": schema}, ("spec",))
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft202012Validator(document).iter_errors(obj)
+    ]
+    return errors + _json_name_errors(obj["metadata"], "V1ObjectMeta", "metadata") + _metadata_errors(obj["metadata"])
+
+
+def _metadata_errors(metadata: dict) -> list[str]:
+    try:
+        k8s.V1ObjectMeta.model_validate(metadata)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def is_core(obj: dict) -> bool:
+    return (obj["apiVersion"], obj["kind"]) not in CRD_SPECS
+
+
+# -- what a pod is -------------------------------------------------------------------------------------------------
+
+
+def tokend_pod(objects: tuple[dict, ...]) -> tuple[dict, dict]:
+    spec = one(objects, "Deployment", "tokend")["spec"]["template"]["spec"]
+    (container,) = [c for c in spec["containers"] if c["name"] == "tokend"]
+    return spec, container
+
+
+def mount_at(pod: dict, container: dict, path: str) -> tuple[dict, dict]:
+    """The volume mount that holds `path` (the deepest one), and its volume."""
+    holding = [m for m in container.get("volumeMounts", []) if f"{path}/".startswith(f"{m['mountPath'].rstrip('/')}/")]
+    assert holding, f"no volume is mounted at {path}"
+    mount = max(holding, key=lambda m: len(m["mountPath"]))
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return mount, volume
+
+
+def config_file(objects: tuple[dict, ...]) -> tuple[str, str]:
+    """Where the container reads tokend.toml (--config) and the text the ConfigMap puts there."""
+    pod, container = tokend_pod(objects)
+    args = container["args"]
+    path = args[args.index("--config") + 1]
+    mount, volume = mount_at(pod, container, path)
+    assert mount["mountPath"] == path and "subPath" in mount, "tokend.toml is mounted as one file"
+    config_map = one(objects, "ConfigMap", volume["configMap"]["name"])
+    return path, config_map["data"][mount["subPath"]]
+
+
+def secret_file(objects: tuple[dict, ...], path: str) -> str:
+    pod, container = tokend_pod(objects)
+    mount, volume = mount_at(pod, container, path)
+    assert "secret" in volume, f"{path} is not on a Secret"
+    secret = one(objects, "Secret", volume["secret"]["secretName"])
+    return base64.b64decode(secret["data"][os.path.relpath(path, mount["mountPath"])]).decode()
+
+
+def image_environment() -> dict[str, str]:
+    """The ENV of the Dockerfile's final stage: variables tokend reads (TOKEND_<KEY>) unless the pod overrides them."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    final_stage = lines[max(i for i, line in enumerate(lines) if line.upper().startswith("FROM ")) :]
+    environment = {}
+    for line in final_stage:
+        if line.upper().startswith("ENV "):
+            words = shlex.split(line[4:])
+            if "=" not in words[0]:  # the old `ENV KEY value` form
+                words = [f"{words[0]}={' '.join(words[1:])}"]
+            environment.update(word.split("=", 1) for word in words)
+    return environment
+
+
+def service_link_environment(objects: tuple[dict, ...]) -> dict[str, str]:
+    """The variables Kubernetes' service links would give the pod: docker-link style, per Service and port."""
+    environment = {}
+    for service in find(objects, "Service"):
+        prefix = service["metadata"]["name"].upper().replace("-", "_")
+        first = service["spec"]["ports"][0]
+        environment[f"{prefix}_SERVICE_HOST"] = "10.0.0.1"
+        environment[f"{prefix}_SERVICE_PORT"] = str(first["port"])
+        environment[f"{prefix}_PORT"] = f"tcp://10.0.0.1:{first['port']}"
+        for port in service["spec"]["ports"]:
+            environment[f"{prefix}_PORT_{port['port']}_TCP"] = f"tcp://10.0.0.1:{port['port']}"
+            environment[f"{prefix}_PORT_{port['port']}_TCP_PORT"] = str(port["port"])
+    return environment
+
+
+def pod_environment(objects: tuple[dict, ...]) -> dict[str, str]:
+    """What tokend sees: the image's ENV, the container's env over it, and service links unless they are off."""
+    pod, container = tokend_pod(objects)
+    environment = image_environment()
+    if pod.get("enableServiceLinks", True):
+        environment.update(service_link_environment(objects))
+    environment.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return environment
+
+
+def loaded_config(objects: tuple[dict, ...], tmp_path: Path, environ: dict[str, str] | None = None) -> ServeConfig:
+    """tokend's config as the pod would load it: the container's args, the ConfigMap's file, the Secret's tenants.
+    The model directories do not exist here: they become empty checkpoint directories under tmp_path."""
+    _, container = tokend_pod(objects)
+    path, text = config_file(objects)
+    values = tomllib.loads(text)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(secret_file(objects, values["tenants_file"]))
+    copied = text.replace(values["tenants_file"], str(tenants))
+    models = values.get("model", [])
+    for model in [models] if isinstance(models, str) else models:
+        stand_in = tmp_path / "models" / Path(model).name
+        stand_in.mkdir(parents=True)
+        (stand_in / "config.json").write_text("{}")
+        copied = copied.replace(f'"{model}"', f'"{stand_in}"')
+    (tmp_path / "tokend.toml").write_text(copied)
+    args = [str(tmp_path / "tokend.toml") if arg == path else arg for arg in container["args"]]
+    return load_serve_config(build_parser().parse_args(args), pod_environment(objects) if environ is None else environ)
+
+
+# -- the tests -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_object_is_valid_for_the_api_or_its_crd(variant):
+    objects = rendered(variant)
+    assert objects, "nothing rendered"
+    errors = [
+        f"{o['kind']}/{o['metadata']['name']}: {e}"
+        for o in objects
+        for e in (api_errors(o) if is_core(o) else crd_errors(o))
+    ]
+    assert not errors, "\n".join(errors)
+    for obj in objects:  # every object lands in the namespace, which the variant creates
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == one(objects, "Namespace")["metadata"]["name"], obj["metadata"]
+
+
+def test_the_validation_refuses_what_the_api_server_would():
+    deployment = one(rendered("cpu"), "Deployment", "tokend")
+
+    def broken(change) -> dict:
+        copy = yaml.safe_load(yaml.safe_dump(deployment))
+        change(copy["spec"]["template"]["spec"]["containers"][0])
+        return copy
+
+    assert api_errors(broken(lambda c: c.update(imageName="x")))  # unknown field
+    assert api_errors(broken(lambda c: c.update(image_pull_policy=c.pop("imagePullPolicy"))))  # Python name
+    assert api_errors(broken(lambda c: c["ports"][0].update(containerPort="50051")))  # wrong type
+    assert api_errors(broken(lambda c: c.pop("name")))  # missing required field
+    assert api_errors({**deployment, "apiVersion": "apps/v2"})  # no such API
+    pool = one(rendered("gpu-inference-pool"), "InferencePool")
+    assert crd_errors({**pool, "spec": {**pool["spec"], "targetPort": 8000}})
+    assert crd_errors({**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "tokend-epp"}}})  # no port
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_configmap_is_a_valid_tokend_config_as_the_pod_loads_it(variant, tmp_path):
+    objects = rendered(variant)
+    config = loaded_config(objects, tmp_path)
+    pod, container = tokend_pod(objects)
+    assert container["args"][0] == "serve" and "command" not in container  # the image's entrypoint is `tokend`
+    assert config.host == "0.0.0.0"
+    assert config.tenants, "a non-loopback host needs tenants: tokend would refuse to start"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": config.grpc_port, "http": config.http_port, "metrics": config.metrics_port}
+    state_mount, state_volume = mount_at(pod, container, config.state_dir)
+    assert state_mount["mountPath"] == config.state_dir and not state_mount.get("readOnly")
+    claim = one(objects, "PersistentVolumeClaim", state_volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    deployment = one(objects, "Deployment", "tokend")["spec"]
+    assert deployment["replicas"] == 1 and deployment["strategy"]["type"] == "Recreate"  # one writer of the ledger
+    models = tomllib.loads(config_file(objects)[1])["model"]
+    for model in [models] if isinstance(models, str) else models:
+        mount, volume = mount_at(pod, container, model)
+        assert mount.get("readOnly") and volume["name"] == "models", model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_tenants_secret_is_where_tenants_file_points(variant, tmp_path):
+    objects = rendered(variant)
+    values = tomllib.loads(config_file(objects)[1])
+    tenants = tomllib.loads(secret_file(objects, values["tenants_file"]))
+    assert set(tenants) == {"tenants"} and tenants["tenants"]
+    placeholder = "0" * 64  # matches no key: the example refuses every request until a real hash replaces it
+    assert [t["api_key_sha256"] for t in tenants["tenants"]] == [placeholder]
+    pod, container = tokend_pod(objects)
+    mount, volume = mount_at(pod, container, values["tenants_file"])
+    assert mount.get("readOnly") and volume["secret"]["defaultMode"] & 0o007 == 0, "not readable by others"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_probes_are_grpc_health_on_the_grpc_port_and_grace_outlasts_the_drain(variant, tmp_path):
+    objects = rendered(variant)
+    config = loaded_config(objects, tmp_path)
+    pod, container = tokend_pod(objects)
+    for probe_name in ("startupProbe", "readinessProbe"):
+        probe = container[probe_name]
+        assert probe["grpc"] == {"port": config.grpc_port, "service": ""}, probe_name  # "" = every scheduler live
+    # Alive while the frontend answers: a scheduler's reload or a drain must not get the pod killed.
+    assert container["livenessProbe"]["grpc"] == {"port": config.grpc_port, "service": LIVENESS_SERVICE}
+    startup = container["startupProbe"]
+    window = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    assert window >= STARTUP_WINDOW_S
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= pre_stop + config.drain_timeout + SHUTDOWN_AFTER_DRAIN_S, (grace, pre_stop, config.drain_timeout)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_pod_is_unprivileged_on_a_read_only_root(variant):
+    objects = rendered(variant)
+    pod, container = tokend_pod(objects)
+    image_user = re.search(r"^USER\s+(\d+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert image_user and int(image_user.group(1)) == IMAGE_UID == pod["securityContext"]["runAsUser"]
+    assert pod["securityContext"]["fsGroup"] == IMAGE_UID  # the state volume is writable by the tokend group
+    assert pod["automountServiceAccountToken"] is False
+    environment = pod_environment(objects)
+    writable = [tomllib.loads(config_file(objects)[1])["state_dir"], environment["TOKEND_CACHE_DIR"], "/tmp"]
+    for path in writable:  # all the daemon writes, with the root filesystem read-only
+        mount, _ = mount_at(pod, container, path)
+        assert not mount.get("readOnly"), path
+    for deployment in find(objects, "Deployment"):  # the endpoint picker too
+        spec = deployment["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for each in spec["containers"]:
+            assert each["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }
+
+
+def test_service_links_are_off_because_they_would_break_the_config(tmp_path):
+    objects = rendered("cpu")
+    pod, _ = tokend_pod(objects)
+    assert pod["enableServiceLinks"] is False
+    links = service_link_environment(objects)
+    assert links["TOKEND_GRPC_PORT"].startswith("tcp://")  # the tokend-grpc Service's link: tokend's grpc_port
+    with pytest.raises(ValueError, match="grpc_port|http_port"):
+        loaded_config(objects, tmp_path, environ={**pod_environment(objects), **links})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_pdb_and_monitors_select_the_tokend_pods_by_named_ports(variant):
+    objects = rendered(variant)
+    labels = one(objects, "Deployment", "tokend")["spec"]["template"]["metadata"]["labels"]
+    _, container = tokend_pod(objects)
+    port_names = {p["name"] for p in container["ports"]}
+
+    def selects(selector: dict) -> bool:
+        return selector.items() <= labels.items()
+
+    services = {s["metadata"]["name"]: s for s in find(objects, "Service") if selects(s["spec"]["selector"])}
+    assert set(services) == {"tokend-grpc", "tokend-http"}
+    for name, protocol in (("tokend-grpc", "kubernetes.io/h2c"), ("tokend-http", "http")):
+        (port,) = services[name]["spec"]["ports"]
+        assert port["targetPort"] in port_names and port["appProtocol"] == protocol
+    assert selects(one(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"])
+    for monitor in find(objects, "PodMonitor"):
+        assert selects(monitor["spec"]["selector"]["matchLabels"])
+        assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+
+def test_the_cpu_overlay_runs_cpu_threads_within_its_cpu_limit(tmp_path):
+    objects = rendered("cpu")
+    config = loaded_config(objects, tmp_path)
+    _, container = tokend_pod(objects)
+    assert config.devices == ["cpu"]
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert limits == requests, "Guaranteed QoS"
+    assert 1 <= config.cpu_threads <= int(limits["cpu"]) - 1  # one core for the frontend and the gateway
+
+
+def test_the_gpu_overlay_asks_for_one_gpu_on_a_gpu_node(tmp_path):
+    objects = rendered("gpu")
+    config = loaded_config(objects, tmp_path)
+    pod, container = tokend_pod(objects)
+    assert config.devices == ["cuda"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert one(objects, "Deployment", "tokend")["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":cu128")
+
+
+def test_the_models_hostpath_component_replaces_the_models_claim():
+    objects = rendered("cpu+models-hostpath")
+    pod, _ = tokend_pod(objects)
+    (models,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert set(models) == {"name", "hostPath"} and models["hostPath"]["type"] == "Directory"
+    assert not find(objects, "PersistentVolumeClaim", "tokend-models")
+    namespace = one(objects, "Namespace")["metadata"]["labels"]
+    assert namespace["pod-security.kubernetes.io/enforce"] == "privileged"  # restricted forbids hostPath volumes
+
+
+def test_the_inference_pool_routes_to_tokend_by_its_own_metrics(tmp_path):
+    from frontend.metrics import FrontendMetrics
+
+    objects = rendered("gpu-inference-pool")
+    config = loaded_config(objects, tmp_path)
+    pool = one(objects, "InferencePool")
+    tokend_labels = one(objects, "Deployment", "tokend")["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= tokend_labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": config.http_port}]
+    picker = pool["spec"]["endpointPickerRef"]
+    service = one(objects, "Service", picker["name"])
+    assert picker["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
+    route = one(objects, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == pool["metadata"]["name"]
+
+    epp_pod = one(objects, "Deployment", "tokend-epp")["spec"]["template"]["spec"]
+    assert epp_pod["serviceAccountName"] == one(objects, "RoleBinding")["subjects"][0]["name"]
+    assert epp_pod["terminationGracePeriodSeconds"] >= tokend_pod(objects)[0]["terminationGracePeriodSeconds"]
+    (epp,) = epp_pod["containers"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in epp["args"])
+    assert flags["pool-name"] == pool["metadata"]["name"]
+    assert flags["pool-group"] == "inference.networking.k8s.io"
+    mount, volume = mount_at(epp_pod, epp, flags["config-file"])
+    picker_config = yaml.safe_load(
+        one(objects, "ConfigMap", volume["configMap"]["name"])["data"][
+            os.path.relpath(flags["config-file"], mount["mountPath"])
+        ]
+    )
+    assert picker_config["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in picker_config["plugins"]}
+    for profile in picker_config["schedulingProfiles"]:
+        assert {p["pluginRef"] for p in profile["plugins"]} <= set(plugins)
+
+    # It scrapes tokend's metrics port, and reads names that tokend exports.
+    assert plugins["metrics-data-source"]["parameters"]["port"] == config.metrics_port
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
+    assert tokend_labels["llm-d.ai/engine-type"] == engine["name"]
+    exported = {family.name for family in FrontendMetrics().registry.collect()}
+    specs = [engine["queuedRequestsSpec"], engine["runningRequestsSpec"], engine["kvUsageSpec"]]
+    specs += [custom["metricSpec"] for custom in engine["customMetrics"]]
+    assert {spec.split("{")[0] for spec in specs} <= exported
+    assert specs[:3] == ["tokend:num_requests_waiting", "tokend:num_requests_running", "tokend:kv_cache_usage_perc"]
+    attributes = {custom["attributeKey"]: custom["metricSpec"] for custom in engine["customMetrics"]}
+    ttft_scorer = plugins["projected-ttft-scorer"]["parameters"]
+    assert attributes[ttft_scorer["attributeKey"]] == "tokend:projected_ttft_seconds"
+    assert ttft_scorer["algorithm"]["type"] == "linear_lower_is_better"
+    assert flags["allow-experimental-plugins"] == "true"  # endpoint-attribute-scorer is alpha

@@ -35,6 +35,9 @@ class Child:
         env = dict(os.environ, **self.env)
         # Children import this project's packages whatever the working directory or installation.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PROJECT_ROOT, env.get("PYTHONPATH")]))
+        # The process title goes in argv's space alone (which the spec JSON makes ample), not over the environment,
+        # so that /proc/<pid>/environ still shows what the child was given (a scheduler's CUDA_VISIBLE_DEVICES).
+        env["SPT_NOENV"] = "1"
         # The new process creates them again: until then it is starting, neither progressing nor listening.
         for marker in (self.heartbeat_path, self.listening_path):
             if marker is not None:

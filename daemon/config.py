@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from daemon import config_flags
+from daemon.gpu_placement import ModelShare, Placement, place, visible_gpus
 from frontend.spec import AdmissionSpec, TenantSpec
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, MODEL_REFERENCE, is_model_reference, served_name
 from gpu_runtime.engine_config import EngineConfig
@@ -41,7 +42,10 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str  # what clients put in `model`
     path: str | None = None  # a checkpoint directory, a .gguf file or a built-in model's name; unset: the default
     aliases: list[str] = []  # other names that reach it
-    groups: list[str] = []  # devices, one scheduler each; empty: those of `device`
+    groups: list[str] = []  # devices, one scheduler each ("cuda:0,cuda:1": one on both); empty: those of `device`
+    # Its share of a GPU it shares with other schedulers; unset: the engine options' own.
+    gpu_memory_utilization: float | None = None
+    kv_cache_bytes: int | None = None
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,7 +87,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ] = msgspec.field(default_factory=_default_state_dir)
     device: Annotated[
         str,
-        _doc("auto (cuda when present, else cpu), cpu, cuda, cuda:N; a list (cuda:0,cuda:1) runs one scheduler each"),
+        _doc(
+            "auto (one scheduler per visible GPU, else one on the CPU), cpu, cuda, cuda:N; a list (cuda:0,cuda:1) "
+            "runs one scheduler each, each seeing only its GPU (CUDA_VISIBLE_DEVICES)"
+        ),
     ] = "auto"
     # Threads that outnumber free cores wait on each other at every parallel op, hence the sharing.
     cpu_threads: Annotated[
@@ -180,6 +187,22 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             return [ModelSpec(self.served_model_name or served_name(path), path) for path in self.model]
         return [ModelSpec(DEFAULT_MODEL_NAME)]
 
+    def scheduler_placements(self, environ: Mapping[str, str] = os.environ) -> list[Placement]:
+        """One per scheduler process: each served model on each of its groups (`auto`: one per visible GPU), with
+        the CUDA_VISIBLE_DEVICES it gets. ValueError names the key of a missing or over-shared GPU."""
+        served = self.served_models()
+        engines = [self.engine_of(model) for model in served]
+        shares = [ModelShare(engine.gpu_memory_utilization, engine.kv_cache_bytes) for engine in engines]
+        models = [(model.name, list(model.groups)) for model in served]
+        return place(models, self.devices, shares, visible_gpus(environ))
+
+    def engine_of(self, model: ModelSpec) -> EngineConfig:
+        """The engine options of a model's schedulers: the shared ones, with its identity and its own share of a
+        GPU (device: each scheduler's own)."""
+        share = {"gpu_memory_utilization": model.gpu_memory_utilization, "kv_cache_bytes": model.kv_cache_bytes}
+        own = {key: value for key, value in share.items() if value is not None}
+        return msgspec.structs.replace(self.engine, model=model.path, served_model_name=model.name, **own)
+
     @property
     def devices(self) -> list[str]:
         return [d.strip() for d in self.device.split(",")] if isinstance(self.device, str) else []
@@ -232,7 +255,10 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
             values[key] = _tables(values[key], spec_type, key)
     engine = EngineConfig(**_take(values, ENGINE_OPTIONS))
     admission = AdmissionSpec(**_take(values, ADMISSION_OPTIONS))
-    return ServeConfig(**values, engine=engine, admission=admission)
+    config = ServeConfig(**values, engine=engine, admission=admission)
+    # Against the GPUs this environment shows: a device that is not there, or one GPU shared without shares.
+    config.scheduler_placements(environ)
+    return config
 
 
 def _take(values: dict[str, object], options: list[config_flags.Option]) -> dict[str, object]:
@@ -289,6 +315,12 @@ def _check_models(models: tuple[ModelSpec, ...], has_model_paths: bool) -> None:
         if model.path is not None:
             _check(f"{key}.path", is_model_reference(model.path), MODEL_REFERENCE, model.path)
         _check(f"{key}.groups", all(model.groups), "a list of devices", model.groups)
+        share = model.gpu_memory_utilization
+        _check(f"{key}.gpu_memory_utilization", share is None or (_is_number(share) and 0 < share <= 1), "in (0, 1]",
+               share)  # fmt: skip
+        budget = model.kv_cache_bytes
+        _check(f"{key}.kv_cache_bytes", budget is None or (_is_int(budget) and budget > 0), "a positive integer",
+               budget)  # fmt: skip
 
 
 def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:

@@ -194,6 +194,8 @@ class Supervisor:
                 "gpu_runtime.worker",
                 spec.to_json(),
                 heartbeat_path=Path(spec.heartbeat_path),
+                # Its GPUs only: its engine's "cuda:0" is the first, and no other GPU is within its reach.
+                env={} if spec.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices},
             )
             for spec in scheduler_specs(self.config, self.runtime_dir)
         ]
@@ -220,30 +222,34 @@ class Supervisor:
 
 
 def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
-    """One WorkerSpec per scheduler: each model on each of its devices, with the config's engine options and that
-    scheduler's identity (model, served name, device) filled in."""
+    """One WorkerSpec per scheduler: each model on each of its groups, with the config's engine options, the model's
+    own share of a GPU, and that scheduler's identity (model, served name, device as its process sees it)."""
     specs = []
     served = config.served_models()
-    threads = config.scheduler_threads(sum(len(m.groups or config.devices) for m in served))
-    for model_index, model in enumerate(served):
-        for group, device in enumerate(model.groups or config.devices):
-            slot = f"{model_index}-{group}"
-            engine = msgspec.structs.replace(
-                config.engine, model=model.path, served_model_name=model.name, device=device
+    placements = config.scheduler_placements()
+    threads = config.scheduler_threads(len(placements))
+    groups_of_model: dict[int, int] = {}
+    for placement in placements:
+        model = served[placement.model_index]
+        group = groups_of_model.get(placement.model_index, 0)
+        groups_of_model[placement.model_index] = group + 1
+        slot = f"{placement.model_index}-{group}"
+        engine = msgspec.structs.replace(config.engine_of(model), device=placement.engine_device)
+        specs.append(
+            WorkerSpec(
+                worker_id=f"{model.name}/{group}",
+                group=str(group),
+                input_address=f"ipc://{runtime_dir}/scheduler-{slot}.ipc",
+                output_address=f"ipc://{runtime_dir}/frontend.ipc",
+                heartbeat_path=str(runtime_dir / f"scheduler-{slot}.alive"),
+                secret_path=str(runtime_dir / SECRET_FILE),
+                engine=engine,
+                log_level=config.log_level,
+                cpu_threads=threads,
+                cuda_visible_devices=placement.cuda_visible_devices,
+                devices=placement.label,
             )
-            specs.append(
-                WorkerSpec(
-                    worker_id=f"{model.name}/{group}",
-                    group=str(group),
-                    input_address=f"ipc://{runtime_dir}/scheduler-{slot}.ipc",
-                    output_address=f"ipc://{runtime_dir}/frontend.ipc",
-                    heartbeat_path=str(runtime_dir / f"scheduler-{slot}.alive"),
-                    secret_path=str(runtime_dir / SECRET_FILE),
-                    engine=engine,
-                    log_level=config.log_level,
-                    cpu_threads=threads,
-                )
-            )
+        )
     return specs
 
 

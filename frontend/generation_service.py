@@ -289,5 +289,7 @@ async def _next_deltas(stream: RequestStream) -> list[RequestDelta]:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, lost.reason)
     refused = next((d for d in items if d.finish_reason is FinishReason.ERROR), None)
     if refused is not None:
+        if refused.retryable:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, refused.error or "the scheduler failed; retry")
         raise invalid(refused.error or "request refused by the scheduler")
     return items

@@ -11,27 +11,29 @@ import torch
 
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.default_model import resolve_model_dir, served_name
-from gpu_runtime.device import resolve_device, resolve_dtype
+from gpu_runtime.device import checkpoint_dtype, resolve_device, resolve_dtype
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.engine_stats import EngineSnapshot, EngineStats
 from gpu_runtime.generation_defaults import load_sampling_defaults
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
-from gpu_runtime.kv_cache.kv_pool import KVPool, kv_budget_bytes
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
+from gpu_runtime.memory_profile import load_model_and_pool
 from gpu_runtime.model.config import load_model_config
-from gpu_runtime.model.loader import load_model
 from gpu_runtime.model_runner import ModelRunner
 from gpu_runtime.sampler import Sampler
-from gpu_runtime.scheduler import Scheduler
+from gpu_runtime.scheduler import Scheduler, SchedulerOutput
 from gpu_runtime.sequence import Sequence, SequenceStatus
+from gpu_runtime.step_failure import StepOutOfMemory
 from gpu_runtime.tokenizer import Tokenizer
 
 
 class LLMEngine:
     """Owns one model, its KV pool and its scheduler. Not thread-safe: one thread drives it."""
+
+    step_failure: StepOutOfMemory | None = None  # the latest step's, if it ran out of device memory
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -50,11 +52,14 @@ class LLMEngine:
         self.sampling_defaults = load_sampling_defaults(model_dir, config.generation_config)
         self.chat_template = _checked_chat_template(model_dir, config.chat_template)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        backend = make_attention_backend(config.attention_backend)
-        model = load_model(model_dir, self.model_config, backend, self.dtype, self.device)
-        budget = kv_budget_bytes(self.device, config.kv_cache_bytes, config.gpu_memory_utilization)
-        pool = KVPool.from_budget(self.model_config, budget, config.page_size, self.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(model_dir))
+        backend = make_attention_backend(config.attention_backend, self.device)
+        self.attention_backend = backend.name  # what "auto" became here
+        # On CUDA the pool takes what the weights and a profiled largest step leave of gpu_memory_utilization;
+        # self.memory holds those numbers (weights, activation peak, pages) for the ready log.
+        model, pool, self.memory = load_model_and_pool(
+            model_dir, self.model_config, config, backend, self.dtype, self.device
+        )
         # The salt keeps one model's cached pages from ever matching another's.
         salt = f"{self.model_name}:{model_dir.resolve()}".encode()
         self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
@@ -81,7 +86,7 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, params)
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)  # a seed: the same draws on any device
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -145,15 +150,18 @@ class LLMEngine:
         """Schedules, runs one forward, samples, and evicts finished sequences; returns what changed.
 
         A sequence whose prompt chunk did not reach its end yet computes but does not sample, so it
-        appears in the outputs only once its first token exists.
+        appears in the outputs only once its first token exists. A step that runs out of device memory fails
+        its own requests only (step_failure says which) and the steps that follow compute fewer tokens.
         """
         started = time.perf_counter()
+        self.step_failure = None
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        inputs = self.runner.prepare(scheduled)
-        logits = self.runner.execute(inputs)
-        tokens, logprobs = self.sampler(logits, inputs.sampling)
+        computed = self._compute(scheduled)
+        if computed is None:
+            return self._fail_out_of_memory(scheduled)
+        inputs, tokens, logprobs = computed
         self.scheduler.update_after_step(scheduled)
         self.stats.observe_kv(self.kv, self.scheduler.running + self.scheduler.held)
         outputs = [
@@ -163,6 +171,36 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         self.scheduler.policy.model.observe(scheduled.num_tokens, scheduled.num_seqs, seconds)
         self.stats.observe_step(scheduled, seconds, self.runner.forward_seconds)
+        self._check_when_idle()
+        return outputs
+
+    def _compute(self, scheduled: SchedulerOutput):
+        """(inputs, tokens, logprobs) of the step's forward and sampling; None if they ran out of device memory.
+
+        Returned rather than handled here: once this frame is gone, so are the step's tensors and the
+        traceback that holds them, and their memory can be released."""
+        try:
+            inputs = self.runner.prepare(scheduled)
+            logits = self.runner.execute(inputs)
+            return inputs, *self.sampler(logits, inputs.sampling)
+        except torch.OutOfMemoryError:
+            return None
+
+    def _fail_out_of_memory(self, scheduled: SchedulerOutput) -> list[RequestDelta]:
+        """Ends the step's requests with an error their clients read, frees their pages, releases the allocator's
+        cached blocks, and halves the token budget; requests the step did not hold go on untouched."""
+        failed = [*scheduled.decodes, *(work.seq for work in scheduled.prefills)]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        budget = self.scheduler.shrink_token_budget()
+        self.step_failure = StepOutOfMemory(
+            str(self.device), scheduled.num_tokens, tuple(seq.request_id for seq in failed), budget
+        )
+        outputs = []
+        for seq in failed:
+            self._requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            outputs.append(self._delta(seq, [], None, error=self.step_failure.message, retryable=True))
         self._check_when_idle()
         return outputs
 
@@ -200,7 +238,12 @@ class LLMEngine:
 
     @staticmethod
     def _delta(
-        seq: Sequence, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None, queued_s: float | None = None
+        seq: Sequence,
+        new_tokens: list[int],
+        new_logprobs: list[TokenLogprob] | None,
+        queued_s: float | None = None,
+        error: str | None = None,
+        retryable: bool = False,
     ) -> RequestDelta:
         return RequestDelta(
             request_id=seq.request_id,
@@ -210,7 +253,9 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            error=error,
             queued_s=queued_s,
+            retryable=retryable,
         )
 
 

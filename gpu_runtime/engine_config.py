@@ -15,6 +15,7 @@ import msgspec
 from common.checks import is_int, is_number, require
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "batched", "cpu_paged", "torch")  # gpu_runtime/attention/backend.py builds them
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -65,16 +66,42 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
     served_model_name: Annotated[str | None, _doc("the name clients use; default: the directory's name")] = None
     device: Annotated[str, _doc("auto (cuda when present, else cpu), cpu, cuda, cuda:N")] = "auto"
     dtype: Annotated[
-        Literal["auto", "float32", "bfloat16", "float16"], _doc("auto: float32 on CPU, bfloat16 on CUDA")
+        Literal["auto", "float32", "bfloat16", "float16"],
+        _doc(
+            "weights, activations and KV cache; auto: float32 on CPU; on CUDA the checkpoint's torch_dtype, float32 "
+            "served as bfloat16, bfloat16 as float16 on GPUs without it (as vLLM)"
+        ),
     ] = "auto"
     max_model_len: Annotated[int | None, _doc("caps the checkpoint's context length (tokens)")] = None
     page_size: Annotated[int, _doc("tokens per KV-cache page (a power of two)")] = 16
     kv_cache_bytes: Annotated[
-        int | None, _doc("KV-cache size in bytes; unset: 512 MiB on CPU, a share of free memory on CUDA")
+        int | None,
+        _doc(
+            "KV-cache size in bytes (never more than max_num_seqs full-length sequences use); unset: 512 MiB on CPU, "
+            "on CUDA what gpu_memory_utilization leaves"
+        ),
     ] = None
-    gpu_memory_utilization: Annotated[float, _doc("that share of free GPU memory, in (0, 1]")] = 0.9
+    gpu_memory_utilization: Annotated[
+        float,
+        _doc(
+            "the share of the GPU's total memory this engine may take, in (0, 1]: the KV cache gets it less the "
+            "weights and the activation peak of a profiled largest step (as vLLM); give each engine on a GPU its part"
+        ),
+    ] = 0.9
     enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
-    attention_backend: Annotated[Literal["torch"], _doc("the attention kernels: torch (paged, any device)")] = "torch"
+    attention_backend: Annotated[
+        Literal["auto", "batched", "cpu_paged", "torch"],
+        _doc(
+            "the attention kernels, all over the paged cache: batched (plain torch, any device: one call per step "
+            "for the decodes, one for the prompt chunks), cpu_paged (a C++ decode kernel reading the pages in "
+            "place, CPU only), torch (one call per sequence: the reference), auto (cpu_paged on a CPU, torch there if "
+            "the kernel cannot be built, batched on CUDA)"
+        ),
+    ] = "auto"
+    load_format: Annotated[
+        Literal["auto", "dummy"],
+        _doc("auto: the checkpoint's safetensors; dummy: random weights of its shape, for benchmarks (as vLLM's)"),
+    ] = "auto"
     generation_config: Annotated[
         str,
         _doc(
@@ -106,7 +133,9 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         require(length is None or (is_int(length) and length >= 2), "max_model_len", "an integer >= 2", length)
         caching = self.enable_prefix_caching
         require(isinstance(caching, bool), "enable_prefix_caching", "true|false", caching)
-        require(self.attention_backend == "torch", "attention_backend", "torch", self.attention_backend)
+        backend = self.attention_backend
+        require(backend in ATTENTION_BACKENDS, "attention_backend", "|".join(ATTENTION_BACKENDS), backend)
+        require(self.load_format in ("auto", "dummy"), "load_format", "auto|dummy", self.load_format)
         generation = self.generation_config
         require(isinstance(generation, str) and bool(generation), "generation_config", "auto|vllm|DIR", generation)
         template = self.chat_template

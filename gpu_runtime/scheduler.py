@@ -182,6 +182,12 @@ class Scheduler:
             self.kv.hash_new_pages(seq)
             self.kv.commit_full_pages(seq)
 
+    def shrink_token_budget(self) -> int:
+        """Halves the tokens a step may compute (after a step ran out of memory), never below one decode token for
+        each of max_num_seqs sequences; returns the new budget."""
+        self.policy.max_tokens = max(self.config.max_num_seqs, self.policy.max_tokens // 2)
+        return self.policy.max_tokens
+
     # -- preemption ---------------------------------------------------------------------------------------
 
     @staticmethod

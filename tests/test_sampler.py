@@ -301,3 +301,84 @@ def test_tiny_positive_temperature_picks_the_argmax(temperature):
     torch.manual_seed(0)
     tokens, _ = sample(logits, [seq(SamplingParams(temperature=temperature))])
     assert tokens == [2]
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+
+def test_seeded_draws_come_from_a_cpu_generator_whatever_the_logits_device():
+    """The CPU generator path: a seeded row's uniform is its own CPU generator's next draw, on every device, so a
+    seed gives the same tokens on CPU and GPU. Uniform logits over 8 tokens map a uniform u to token floor(8u)."""
+    vocab, steps = 8, 40
+    reference = torch.Generator().manual_seed(77)
+    expected = [int(torch.rand(1, generator=reference).item() * vocab) for _ in range(steps)]
+    seeded = seq(SamplingParams(temperature=1.0, seed=77), seed=77)
+    torch.manual_seed(0)
+    got = [sample(torch.zeros(1, vocab), [seeded])[0][0] for _ in range(steps)]
+    assert got == expected
+    # On another device (meta: no data, so any read of it would fail) the draw is still the CPU generator's.
+    meta_seeded = seq(SamplingParams(temperature=1.0, seed=77), seed=77)
+    tokens = Sampler().on_device(torch.zeros(1, vocab, device="meta"), [meta_seeded])
+    assert tokens.device.type == "meta"
+    assert meta_seeded.generator.device.type == "cpu"
+    reference = torch.Generator().manual_seed(77)
+    torch.rand(1, generator=reference)  # the draw the meta step took
+    assert torch.rand(1, generator=meta_seeded.generator) == torch.rand(1, generator=reference)
+
+
+def test_same_seed_same_tokens_in_two_different_batches_on_any_row():
+    """A seeded top-p row samples the same tokens as row 0 of one batch and row 3 of another, beside greedy,
+    filtered and other seeded rows."""
+    vocab = 300
+    logits_row = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+
+    def run(mates: list[SamplingParams], row: int) -> list[int]:
+        target = seq(params, seed=5, name="target")
+        others = [seq(p, seed=p.seed, name=f"m{i}") for i, p in enumerate(mates)]
+        batch = others[:row] + [target] + others[row:]
+        logits = logits_row.expand(len(batch), -1).contiguous()
+        return [sample(logits.clone(), batch)[0][row] for _ in range(25)]
+
+    alone = run([], 0)
+    assert len(set(alone)) > 3
+    mates = [SamplingParams(temperature=0), SamplingParams(top_k=3, seed=9), SamplingParams(min_p=0.2, logprobs=2)]
+    torch.manual_seed(1)
+    assert run(mates, 3) == alone
+    torch.manual_seed(2)
+    assert run(mates[:2], 1) == alone
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0)],
+        [SamplingParams(temperature=0.8, top_p=0.9, seed=3)],  # a nucleus with no top k: the whole vocabulary
+        [SamplingParams(temperature=1.0, top_k=5, top_p=0.5), SamplingParams(temperature=0)],
+        [SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0, logprobs=3)],
+        [SamplingParams(temperature=1.2, logprobs=0), SamplingParams(temperature=0.9, top_p=0.95, top_k=40)],
+    ],
+    ids=["greedy", "top-p-seeded", "top-k-top-p-beside-greedy", "min-p-beside-logprobs", "logprobs-0-and-filters"],
+)
+def test_sampling_never_reads_the_device(params):
+    """Every branch is decided from the parameters on the host: the whole step runs on the meta device, where any
+    read of a value (a `bool(tensor)`, a `.item()`) raises, and returns one tensor for the step's single read."""
+    seqs = [seq(p, seed=p.seed, name=f"r{i}") for i, p in enumerate(params)]
+    out = Sampler().on_device(torch.randn(len(seqs), 1000, device="meta"), seqs)
+    assert out.device.type == "meta"
+    max_top = max((p.logprobs or 0) for p in params)
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    assert tuple(out.shape) == ((len(seqs), 2 + 2 * max_top) if wants_logprobs else (len(seqs),))
+
+
+def test_engine_gives_a_seeded_request_a_cpu_generator(llama_dir):
+    from gpu_runtime.engine import LLMEngine
+    from gpu_runtime.engine_config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", kv_cache_bytes=16 << 20))
+    engine.add_request("seeded", [1, 2, 3], SamplingParams(max_tokens=2, seed=11))
+    engine.add_request("unseeded", [1, 2, 3], SamplingParams(max_tokens=2))
+    generators = {s.request_id: s.generator for s in engine.scheduler.waiting}
+    assert generators["seeded"].device == torch.device("cpu")
+    assert generators["seeded"].initial_seed() == 11
+    assert generators["unseeded"] is None

@@ -1,4 +1,4 @@
-"""Portable paged attention in plain torch (CPU and CUDA): per sequence, gather its pages and call SDPA."""
+"""The reference paged attention in plain torch (CPU and CUDA): per sequence, gather its pages and call SDPA."""
 
 from __future__ import annotations
 
@@ -7,20 +7,18 @@ import torch.nn.functional as F
 
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.attention.metadata import AttentionMetadata, SequenceSpan
+from gpu_runtime.attention.pages import write_pages
 
 
 class TorchPagedAttention(AttentionBackend):
-    """One SDPA call per sequence over exactly its own context.
-
-    Measured on CPU (scripts/bench_attention.py): for a decode batch whose context lengths vary, one call
-    per sequence beats one batched call over keys padded to the longest sequence, because the
-    padded gather and the masked kernel cost far more than the calls (5x at batch 16, 12x at 64).
-    """
+    """One SDPA call per sequence over exactly its own context: the simplest correct backend, kept as the
+    reference the batched one is checked against (and the slower of the two: a call per sequence per layer)."""
 
     name = "torch"
+    uses_spans = True
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
-        _write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
+        write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
         out = torch.empty_like(q)
         for span in meta.spans:
             rows = slice(span.query_start, span.query_start + span.query_len)
@@ -30,13 +28,6 @@ class TorchPagedAttention(AttentionBackend):
                 keys, values = k[rows], v[rows]
             out[rows] = _attend(q[rows], keys, values)
         return out
-
-
-def _write_pages(k, v, k_pages, v_pages, slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    stored = slot_mapping.numel()  # the rows after these are padding
-    k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k[:stored])
-    v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v[:stored])
 
 
 def _gather_context(pages: torch.Tensor, span: SequenceSpan) -> torch.Tensor:
@@ -53,7 +44,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     if query_len == 1:
         # Grouped-query decode without repeating K/V: the query heads sharing a KV head become that
         # head's "query positions" in one SDPA; a single last query needs no mask.
-        q_grouped = q.view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        q_grouped = q.reshape(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
         return F.scaled_dot_product_attention(q_grouped, k_, v_).reshape(1, num_heads, head_dim)
     q_ = q.transpose(0, 1).unsqueeze(0)
     if query_len == context_len:

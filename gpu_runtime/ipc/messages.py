@@ -67,6 +67,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # On the delta with the request's first token: seconds from its arrival at the scheduler to the step that
     # first scheduled it (its queue time; the frontend adds its own wait in admission).
     queued_s: float | None = None
+    # With FinishReason.ERROR: the request itself was fine and may succeed if sent again (a step that ran out of
+    # device memory); the frontend answers UNAVAILABLE rather than INVALID_ARGUMENT.
+    retryable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The preallocated K/V page tensors of every layer, sized from a memory budget."""
+"""The preallocated K/V page tensors of every layer (how many pages: gpu_runtime/memory_profile.py)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,6 @@ def page_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     return config.kv_elements_per_token * page_size * torch.empty((), dtype=dtype).element_size()
 
 
-def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
-    """The bytes the KV pool may take: the explicit budget, else a share of the accelerator's free memory.
-
-    On CUDA this is called after the weights are loaded, so "free" already excludes them.
-    """
-    if kv_cache_bytes is not None:
-        return kv_cache_bytes
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * gpu_memory_utilization)
-    return 512 * 1024 * 1024  # a laptop-friendly CPU default
-
-
 class KVPool:
     """Per layer, one [num_pages, page_size, num_kv_heads, head_dim] tensor for K and one for V."""
 
@@ -36,13 +23,3 @@ class KVPool:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
-
-    @classmethod
-    def from_budget(cls, config: ModelConfig, budget_bytes: int, page_size: int, dtype, device) -> KVPool:
-        num_pages = budget_bytes // page_bytes(config, page_size, dtype)
-        if num_pages < 1:
-            raise ValueError(
-                f"kv_cache_bytes: {budget_bytes} bytes hold no page of {page_size} tokens "
-                f"({page_bytes(config, page_size, dtype)} bytes each)"
-            )
-        return cls(config, num_pages, page_size, dtype, device)

@@ -8,7 +8,7 @@ from torch import nn
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
-from gpu_runtime.model.rope import RotaryEmbedding
+from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
+        if input_dtype == torch.float32:  # one fused kernel, the same float32 arithmetic as the steps below
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
@@ -29,7 +31,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projections; K/V live in the layer's page pool."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -38,15 +40,15 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x, positions, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # Queries and keys rotated together, as one [tokens, heads + kv_heads, head_dim] block.
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, *rotation)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_pages, v_pages, meta)
         return self.o_proj(out.flatten(1))
 
@@ -66,15 +68,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_pages, v_pages, meta)
+    def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, k_pages, v_pages, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -84,9 +86,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -100,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], before the final norm
         x = self.embed_tokens(input_ids)
+        rotation = self.rotary.at(positions)  # the same rows for every layer
         for layer, (k_pages, v_pages) in zip(self.layers, kv_pages, strict=True):
-            x = layer(x, positions, k_pages, v_pages, meta)
+            x = layer(x, rotation, k_pages, v_pages, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

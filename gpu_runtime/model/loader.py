@@ -14,6 +14,7 @@ from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.load_progress import LoadProgress
+from gpu_runtime.model.rope import RotaryEmbedding
 
 # transformers name fragment -> (our fused parameter, which shard of it)
 _FUSED_SHARDS = {
@@ -59,20 +60,54 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
-    """Returns the model in eval mode on `device`, every parameter filled from the checkpoint."""
-    with torch.device(device):
+    """Returns the model in eval mode on `device`, every parameter filled from the checkpoint (or, with
+    load_format "dummy", drawn at random on the device: a model's shape without its weights, for benchmarks).
+
+    The model is built on the meta device and materialised once, in `dtype` on `device`: no randomly
+    initialised (or float32) copy is ever made, so loading peaks at about the weights' size (plus one
+    checkpoint tensor while it is converted).
+    """
+    with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, dtype).to(dtype)
+    model.to_empty(device=device)
+    _finish_materialising(model, config)
+    if load_format == "dummy":
+        return _fill_at_random(model).eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(Path(model_dir)):
         target = _copy_into(model, params, name, tensor)
         if target is not None:
             loaded.add(target)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies were queued without waiting; the model is whole only now
     missing = _expected_pieces(params, config) - loaded
     if missing:
         raise ValueError(f"model: checkpoint {model_dir} lacks weights for {sorted(missing)[:5]}")
     return model.eval()
+
+
+def _finish_materialising(model: LlamaForCausalLM, config: ModelConfig) -> None:
+    """What `to_empty` leaves undone: it gives each module its own tensor, untying lm_head from the embeddings,
+    and the rotary tables (not in any checkpoint) are only empty memory."""
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.compute_tables()
+
+
+@torch.no_grad()
+def _fill_at_random(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Weights as a freshly initialised Llama's (normal, std 0.02; norms 1), drawn where they lie."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02)
+    return model
 
 
 def _expected_pieces(params: dict, config: ModelConfig) -> set[str]:
@@ -110,8 +145,7 @@ def _copy_into(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.T
     expected = (_shard_rows(model.config, fused, shard), *params[target].shape[1:])
     if tuple(tensor.shape) != expected:
         raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-    with torch.no_grad():
-        params[target].data[offset : offset + tensor.shape[0]].copy_(tensor)
+    _copy(params[target].data[offset : offset + tensor.shape[0]], tensor)
     return f"{target}[{shard}]"
 
 
@@ -134,5 +168,14 @@ def _checked_copy(params: dict, target: str, tensor: torch.Tensor, source: str) 
         raise ValueError(f"model: unexpected checkpoint tensor {source!r}")
     if params[target].shape != tensor.shape:
         raise ValueError(f"model: {source!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
+    _copy(params[target].data, tensor)
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copies a checkpoint tensor into (part of) a parameter. To CUDA it goes from pinned host memory without
+    waiting (load_model synchronises once at the end; the caching host allocator keeps each pinned block until its
+    copy is done, even once the tensor is dropped), converted to the parameter's dtype on the device."""
+    if target.device.type == "cuda":
+        tensor = tensor.pin_memory()
     with torch.no_grad():
-        params[target].data.copy_(tensor)
+        target.copy_(tensor, non_blocking=True)

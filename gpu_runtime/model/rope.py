@@ -11,7 +11,7 @@ from gpu_runtime.model.config import RopeConfig
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Per-pair rotation frequencies, computed exactly as transformers does so outputs match bit for bit."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope)
@@ -32,22 +32,54 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to flattened [tokens, heads, head_dim] queries and keys at arbitrary positions."""
+    """Applies RoPE to flattened [tokens, heads, head_dim] queries and keys at arbitrary positions.
+
+    Built under a meta device (the loader's way), its cos/sin tables are placeholders until
+    `compute_tables` fills them on the device the model was materialised on.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inverse_frequencies(rope, head_dim))
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        device = torch.empty(0).device  # the ambient one: a `with torch.device(...)` block's, else the default
+        if device.type == "meta":
+            cos = sin = torch.empty((max_positions, head_dim), dtype=dtype)
+        else:
+            cos, sin = self._tables(dtype, device)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def compute_tables(self) -> None:
+        """Fills the cos/sin tables for real, in their dtype on their device (after `to_empty`)."""
+        self.cos_table, self.sin_table = self._tables(self.cos_table.dtype, self.cos_table.device)
+
+    def _tables(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # The frequencies on the CPU, as transformers computes them at init; the angles on the device, as its
+        # forward does.
+        inv_freq = inverse_frequencies(self.rope, self.head_dim).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_table", angles.sin().to(dtype), persistent=False)
+        # The sine's first half negated: rotate_half(x) * sin is then roll(x) * signed_sin, one op fewer per layer
+        # and the same numbers (negating a product's factor instead of the product is exact).
+        half = self.head_dim // 2
+        sin = angles.sin()
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return angles.cos().to(dtype), signed_sin.to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [tokens, 1, head_dim] cos and signed sin rows of these positions: looked up once per step, for every
+        layer."""
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, *self.at(positions))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [tokens, heads, head_dim] (queries and keys side by side, in one pass): transformers'
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written as roll(x) = (x2, x1) times a sine whose
+    first half is negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import sys
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     import torch  # loads here, after the title is set
 
     from gpu_runtime.engine import LLMEngine
+    from gpu_runtime.worker.engine_start import DEVICE_START_ERRORS, engine_config_on_device, start_failure
     from gpu_runtime.worker.io_threads import FrontendDisconnected, InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
     from gpu_runtime.worker.warm_up import warm_up
@@ -38,13 +40,20 @@ def main(argv: list[str]) -> int:
     if spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
     try:
-        engine = LLMEngine(spec.engine)
+        engine = LLMEngine(engine_config_on_device(spec))
+        warm_up(engine)
+        if engine.step_failure is not None:  # warm-up ran out of memory: serving would too
+            raise torch.OutOfMemoryError(engine.step_failure.message)
     except (ValueError, TypeError, OSError) as error:
         log.error("engine_failed_to_start", error=str(error))
         return EXIT_CONFIG_ERROR
-    warm_up(engine)
-    log.info("engine_ready", model=engine.model_name, device=str(engine.device), kv_pages=engine.kv.num_pages,
-             torch_threads=torch.get_num_threads())  # fmt: skip
+    except DEVICE_START_ERRORS as error:  # the same on every retry: restarting cannot help
+        log.error("engine_failed_to_start", **start_failure(spec, error))
+        return EXIT_CONFIG_ERROR
+    log.info("engine_ready", model=engine.model_name, device=str(engine.device), dtype=str(engine.dtype),
+             attention_backend=engine.attention_backend, torch_threads=torch.get_num_threads(),
+             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), devices=spec.devices,
+             **engine.memory.as_log_fields())  # fmt: skip
 
     context = zmq.Context()
     inbox: queue.Queue = queue.Queue()

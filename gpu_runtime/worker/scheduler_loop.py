@@ -22,6 +22,7 @@ from gpu_runtime.ipc.messages import (
     ToScheduler,
 )
 from gpu_runtime.ipc.peer_auth import PeerAuth
+from gpu_runtime.step_failure import StepOutOfMemory
 from gpu_runtime.worker.io_threads import FrontendDisconnected, OutputWriter
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -75,9 +76,21 @@ class SchedulerLoop:
             if self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
                 self._recent_step_seconds.append(self.engine.stats.last_step_seconds)
+                if self.engine.step_failure is not None:
+                    self._log_step_failure(self.engine.step_failure)
                 if deltas:
                     self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
             self._report_when_due()
+
+    def _log_step_failure(self, failure: StepOutOfMemory) -> None:
+        self._log.error(
+            "step_out_of_memory",
+            device=failure.device,
+            step_tokens=failure.num_tokens,
+            failed_requests=list(failure.failed_request_ids),
+            max_num_batched_tokens=failure.token_budget,
+            detail="the step's requests failed; the others go on, in smaller steps",
+        )
 
     # -- inputs ---------------------------------------------------------------------------------------------
 

@@ -21,6 +21,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     log_level: str = "info"
     cpu_threads: int = 0  # torch threads (torch.set_num_threads); 0 leaves torch's default
     load_report_interval_s: float = 0.2
+    # The daemon sets it in this process's environment (None: the daemon's own, as for CPU schedulers), so that
+    # engine.device "cuda:0" is this scheduler's own first GPU; carried here too for the logs.
+    cuda_visible_devices: str | None = None
+    devices: str = ""  # the group as configured ("cuda:1"), for the logs and start errors
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -1,0 +1,196 @@
+"""A scheduled step as model inputs: token ids, positions, cache slots and attention metadata, as batch tensors.
+
+Everything the device needs is written into one host list of int64 and copied in one transfer (from pinned
+memory, without waiting, on CUDA); the tensors the model reads are views of that one copy, and the masks are
+computed on the device from them. Python touches each sequence a few times per step, never each cached token:
+a decode adds one id, one position, one slot and its block-table row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PrefillBatch, SequenceSpan
+from gpu_runtime.scheduler import SchedulerOutput
+from gpu_runtime.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the last row of each sampling sequence, in `sampling` order
+    sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
+
+
+@dataclass(slots=True)
+class _Row:
+    """One sequence's part of the step, gathered on the host."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    pages: list[int]
+
+
+class _HostBuffer:
+    """int64 sections appended on the host, then moved to the device as one tensor and split into views."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.sections: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def add(self, values: list[int], shape: tuple[int, ...] | None = None) -> int:
+        self.sections.append((len(self.values), len(values), shape or (len(values),)))
+        self.values.extend(values)
+        return len(self.sections) - 1
+
+    def to_device(self, device: torch.device) -> list[torch.Tensor]:
+        host = torch.tensor(self.values, dtype=torch.long)
+        # From pinned memory without waiting: the copy overlaps with the host's next work, and the step's one
+        # synchronisation (the sampler reading the tokens back) comes after the forward anyway.
+        device_copy = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        return [device_copy[start : start + length].view(shape) for start, length, shape in self.sections]
+
+
+def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device, with_spans: bool) -> StepInputs:
+    """The step's inputs; `with_spans` adds the per-sequence spans that one-sequence-at-a-time backends read."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    sampling: list[Sequence] = []
+    decode_rows: list[_Row] = []
+    prefill_rows: list[_Row] = []
+    for seq in step.decodes:
+        position = seq.num_computed_tokens
+        page = seq.page_ids[position // page_size]
+        decode_rows.append(_Row(len(input_ids), 1, position + 1, _pages(seq, position + 1, page_size)))
+        input_ids.append(seq.token_ids_range(position, position + 1)[0])
+        positions.append(position)
+        slots.append(page * page_size + position % page_size)
+        logits_rows.append(len(input_ids) - 1)
+        sampling.append(seq)
+    for work in step.prefills:
+        seq, start = work.seq, work.seq.num_computed_tokens
+        end = start + work.num_new_tokens
+        prefill_rows.append(_Row(len(input_ids), work.num_new_tokens, end, _pages(seq, end, page_size)))
+        input_ids.extend(seq.token_ids_range(start, end))
+        positions.extend(range(start, end))
+        pages = seq.page_ids
+        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        if end == seq.num_tokens:  # its last token is in: it samples (a mid-prompt chunk does not)
+            logits_rows.append(len(input_ids) - 1)
+            sampling.append(seq)
+    num_real_decodes = len(decode_rows)
+    for seq in step.padding:
+        # A static batch's finished sequence: its last computed position again, attending over its own pages,
+        # as a padded batch row would. Its K/V is not stored (rows past the slot mapping are not).
+        context = seq.num_computed_tokens
+        if context == 0:
+            continue
+        decode_rows.append(_Row(len(input_ids), 1, context, _pages(seq, context, page_size)))
+        input_ids.extend(seq.token_ids_range(context - 1, context))
+        positions.append(context - 1)
+
+    buffer = _HostBuffer()
+    ids_at, positions_at = buffer.add(input_ids), buffer.add(positions)
+    slots_at, logits_at = buffer.add(slots), buffer.add(logits_rows)
+    decode_sections = _add_decode_sections(buffer, decode_rows, has_padding=len(decode_rows) > num_real_decodes)
+    prefill_sections = _add_prefill_sections(buffer, prefill_rows)
+    tensors = buffer.to_device(device)
+
+    decode = _decode_batch(tensors, decode_sections, decode_rows, device)
+    prefill = _prefill_batch(tensors, prefill_sections, prefill_rows, device)
+    spans: tuple[SequenceSpan, ...] = ()
+    if with_spans:
+        spans = _spans(decode_rows[:num_real_decodes], decode, 0) + _spans(prefill_rows, prefill, 0)
+        spans += _spans(decode_rows[num_real_decodes:], decode, num_real_decodes)
+    meta = AttentionMetadata(slot_mapping=tensors[slots_at], spans=spans, decode=decode, prefill=prefill)
+    return StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sampling)
+
+
+def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:
+    """The block table's first pages, those that hold the sequence's first `num_tokens` tokens."""
+    return seq.page_ids[: -(-num_tokens // page_size)]
+
+
+def _block_table(rows: list[_Row]) -> tuple[list[int], tuple[int, int]]:
+    width = max(len(row.pages) for row in rows)
+    flat: list[int] = []
+    for row in rows:
+        flat.extend(row.pages)
+        flat.extend([0] * (width - len(row.pages)))
+    return flat, (len(rows), width)
+
+
+def _add_decode_sections(buffer: _HostBuffer, rows: list[_Row], has_padding: bool) -> dict[str, int]:
+    if not rows:
+        return {}
+    table, shape = _block_table(rows)
+    sections = {"table": buffer.add(table, shape), "context": buffer.add([row.context_len for row in rows])}
+    if has_padding:  # the padding rows sit after the prefills: the decode rows are no longer one slice
+        sections["rows"] = buffer.add([row.query_start for row in rows])
+    return sections
+
+
+def _add_prefill_sections(buffer: _HostBuffer, rows: list[_Row]) -> dict[str, int]:
+    if not rows:
+        return {}
+    table, shape = _block_table(rows)
+    max_query = max(row.query_len for row in rows)
+    query_rows: list[int] = []
+    query_positions: list[int] = []  # each padded query's position; a pad repeats its chunk's last query
+    real: list[int] = []
+    for index, row in enumerate(rows):
+        first_position = row.context_len - row.query_len
+        for j in range(max_query):
+            last = min(j, row.query_len - 1)
+            query_rows.append(row.query_start + last)
+            query_positions.append(first_position + last)
+        real.extend(range(index * max_query, index * max_query + row.query_len))
+    return {
+        "table": buffer.add(table, shape),
+        "query_rows": buffer.add(query_rows, (len(rows), max_query)),
+        "query_positions": buffer.add(query_positions, (len(rows), max_query)),
+        "real": buffer.add(real),
+    }
+
+
+def _decode_batch(tensors, sections: dict[str, int], rows: list[_Row], device) -> DecodeBatch | None:
+    if not rows:
+        return None
+    max_context = max(row.context_len for row in rows)
+    keys = torch.arange(max_context, device=device)
+    context_lens = tensors[sections["context"]]
+    key_mask = keys[None, :] < context_lens[:, None]
+    batch_rows = tensors[sections["rows"]] if "rows" in sections else slice(0, len(rows))
+    return DecodeBatch(batch_rows, tensors[sections["table"]], context_lens, key_mask[:, None, None, :], max_context)
+
+
+def _prefill_batch(tensors, sections: dict[str, int], rows: list[_Row], device) -> PrefillBatch | None:
+    if not rows:
+        return None
+    max_context = max(row.context_len for row in rows)
+    keys = torch.arange(max_context, device=device)
+    mask = keys[None, None, :] <= tensors[sections["query_positions"]][:, :, None]
+    first, last = rows[0], rows[-1]
+    return PrefillBatch(
+        rows=slice(first.query_start, last.query_start + last.query_len),
+        block_table=tensors[sections["table"]],
+        query_rows=tensors[sections["query_rows"]],
+        real_queries=tensors[sections["real"]],
+        mask=mask[:, None],
+        max_context=max_context,
+        is_one_fresh_prompt=len(rows) == 1 and first.context_len == first.query_len,
+    )
+
+
+def _spans(rows: list[_Row], batch: DecodeBatch | PrefillBatch | None, first_table_row: int) -> tuple:
+    return tuple(
+        SequenceSpan(row.query_start, row.query_len, row.context_len, batch.block_table[i, : len(row.pages)])
+        for i, row in enumerate(rows, start=first_table_row)
+    )

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from roofline.machine import machine_limits  # noqa: E402
-from roofline.shapes import SHAPES, write_random_checkpoint  # noqa: E402
+from roofline.shapes import DUMMY_WEIGHT_SHAPES, SHAPES, write_random_checkpoint  # noqa: E402
 from roofline.steps import decode_bound, engine_and_chain_ms, profile_one_step  # noqa: E402
 
 
@@ -43,7 +43,9 @@ def main() -> None:
     result = {"device": str(device), "dtype": args.dtype, "shape": args.shape, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": limits, "decode": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="tokend-roofline-") as tmp:
-        model_dir = write_random_checkpoint(Path(tmp), SHAPES[args.shape], dtype)
+        # Shapes too big to write (8b) are drawn by the engine on its device instead (load_format "dummy").
+        with_weights = args.shape not in DUMMY_WEIGHT_SHAPES
+        model_dir = write_random_checkpoint(Path(tmp), SHAPES[args.shape], dtype, with_weights=with_weights)
         for backend in args.backends.split(","):
             for context in _ints(args.contexts):
                 for batch in _ints(args.batches):

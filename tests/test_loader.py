@@ -175,6 +175,17 @@ def test_directory_without_weights_raises(llama, tmp_path):
         LLM(str(target), device="cpu", kv_cache_bytes=KV_BYTES)
 
 
+def test_dummy_load_format_serves_a_shape_without_its_weights(llama, tmp_path):
+    """vLLM's --load-format dummy: benchmarks of a model's shape (an 8B one on a GPU box) need no weight files."""
+    target = tmp_path / "no-weights"
+    copy_side_files(llama, target)
+    llm = LLM(str(target), device="cpu", kv_cache_bytes=KV_BYTES, load_format="dummy")
+    weights = [p for name, p in llm.engine.runner.model.named_parameters() if not name.endswith("norm.weight")]
+    assert all(0.01 < float(w.detach().std()) < 0.03 for w in weights)  # drawn as a fresh Llama's: std 0.02
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy)[0].outputs[0].token_ids) == 6
+
+
 def test_unexpected_tensor_raises(llama, tmp_path):
     target = tmp_path / "extra"
     copy_side_files(llama, target)

@@ -21,7 +21,7 @@ class BatchedPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             out[meta.decode.rows] = decode_attention(q[meta.decode.rows], k_pages, v_pages, meta.decode)
         if meta.prefill is not None:

@@ -20,14 +20,16 @@ class CpuPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
-        out = torch.empty_like(q)
-        if meta.decode is not None:
-            decode = meta.decode
-            queries = q[decode.rows].contiguous()
-            scale = q.shape[-1] ** -0.5
-            out[decode.rows] = self._paged_decode(
-                queries, k_pages, v_pages, decode.block_table, decode.context_lens, scale
+        decode = meta.decode
+        if decode is not None:
+            decoded = self._paged_decode(
+                q[decode.rows], k_pages, v_pages, decode.block_table, decode.context_lens, q.shape[-1] ** -0.5
             )
+            if meta.prefill is None and decoded.shape[0] == q.shape[0]:  # a decode-only step: nothing to merge
+                return decoded
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if decode is not None:
+            out[decode.rows] = decoded
         if meta.prefill is not None:
             rows = meta.prefill.rows
             out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill)

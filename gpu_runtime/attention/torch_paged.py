@@ -19,7 +19,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in meta.spans:
             rows = slice(span.query_start, span.query_start + span.query_len)
             if span.has_cached_prefix:

@@ -13,6 +13,7 @@ from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.kv_cache.kv_pool import page_bytes
 from gpu_runtime.model.config import ModelConfig, load_model_config
 from roofline.machine import best_seconds, synchronize
+from roofline.shapes import DUMMY_WEIGHT_SHAPES
 
 _WARM_STEPS = 2
 _engines: dict[str, LLM] = {}  # one engine per attention backend, sized for the largest point
@@ -53,8 +54,6 @@ def engine_and_chain_ms(model_dir, backend: str, batch: int, context: int, args)
 
 def _engine(model_dir, backend: str, args) -> LLM:
     if backend not in _engines:
-        from roofline.shapes import DUMMY_WEIGHT_SHAPES
-
         batch, context = max(_ints(args.batches)), max(_ints(args.contexts))
         config = load_model_config(model_dir)
         dtype = getattr(torch, args.dtype)

@@ -99,6 +99,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pages, const at::Ten
   const int64_t splits = serial || num_seqs >= at::get_num_threads() ? 1 : num_kv_heads;  // items per sequence
   const int64_t grain = serial ? num_seqs : 1;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const int64_t q_token_stride = q.stride(0);  // queries may be a view into the rows of a wider projection
   const scalar_t* k_data = k_pages.data_ptr<scalar_t>();
   const scalar_t* v_data = v_pages.data_ptr<scalar_t>();
   const int64_t* tables = block_table.data_ptr<int64_t>();
@@ -109,7 +110,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pages, const at::Ten
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, part = item % splits;
       const int64_t first = part * num_kv_heads / splits, last = (part + 1) * num_kv_heads / splits;
-      attend_item<scalar_t>(q_data + seq * num_heads * head_dim, k_data, v_data, tables + seq * max_pages,
+      attend_item<scalar_t>(q_data + seq * q_token_stride, k_data, v_data, tables + seq * max_pages,
                             lengths[seq], first, last, group, head_dim, page_size, num_kv_heads * head_dim,
                             static_cast<float>(scale), out_data + seq * num_heads * head_dim, query, acc, scores);
     }
@@ -118,14 +119,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pages, const at::Ten
 
 }  // namespace
 
-// q: [num_seqs, num_heads, head_dim] (contiguous); k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim];
+// q: [num_seqs, num_heads, head_dim] (each row's heads contiguous); k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim];
 // block_table: [num_seqs, max_pages] int64; context_lens: [num_seqs] int64. Returns [num_seqs, num_heads, head_dim].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
                         const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_pages.is_contiguous() && v_pages.is_contiguous(), "paged_decode: contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: each query row's heads back to back");
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous(), "paged_decode: contiguous page pools");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "paged_decode: int64");
   at::Tensor block_table_c = block_table.contiguous(), lengths_c = context_lens.contiguous();
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_kernel<scalar_t>(q, k_pages, v_pages, block_table_c, lengths_c, scale, out);
   });

@@ -48,6 +48,14 @@ def _model_flags(flags: tuple[str, ...], env: dict[str, str]) -> list[str]:
     the real default (SmolLM2-135M-Instruct) would cost seconds per daemon."""
     if "TOKEND_MODEL" in env or any(f == "--model" or f.startswith("--model=") for f in flags):
         return []
+    if config_file_says(flags, lambda config: bool({"model", "models"} & set(config))):
+        return []
+    return ["--model", TINY_RANDOM_MODEL_NAME]
+
+
+def config_file_says(flags: tuple[str, ...], predicate) -> bool:
+    """Whether the --config file among `flags` satisfies `predicate` (its parsed TOML); True for a file that cannot
+    be read, so that callers add nothing to a config the daemon itself will report."""
     for index, flag in enumerate(flags):
         path = flag.removeprefix("--config=") if flag.startswith("--config=") else None
         if flag == "--config" and index + 1 < len(flags):
@@ -55,11 +63,10 @@ def _model_flags(flags: tuple[str, ...], env: dict[str, str]) -> list[str]:
         if path is not None:
             try:
                 with open(path, "rb") as file:
-                    if {"model", "models"} & set(tomllib.load(file)):
-                        return []
+                    return bool(predicate(tomllib.load(file)))
             except (OSError, tomllib.TOMLDecodeError):
-                return []  # the daemon itself reports a bad config file
-    return ["--model", TINY_RANDOM_MODEL_NAME]
+                return True
+    return False
 
 
 class LocalDaemon:

@@ -7,11 +7,10 @@ import contextlib
 import os
 import subprocess
 import sys
-import tomllib
 
 import httpx
 
-from daemon.local_daemon import ROOT, LocalDaemon, free_port
+from daemon.local_daemon import ROOT, LocalDaemon, config_file_says, free_port
 
 __all__ = ["ROOT", "Daemon", "free_port", "standalone_gateway"]
 
@@ -29,18 +28,9 @@ class Daemon(LocalDaemon):
 def _flags_name_device(flags: tuple[str, ...]) -> bool:
     if any(f == "--device" or f.startswith("--device=") for f in flags):
         return True
-    for index, flag in enumerate(flags):
-        path = flag.removeprefix("--config=") if flag.startswith("--config=") else None
-        if flag == "--config" and index + 1 < len(flags):
-            path = flags[index + 1]
-        if path is not None:
-            try:
-                with open(path, "rb") as file:
-                    config = tomllib.load(file)
-                return "device" in config or any(model.get("groups") for model in config.get("models", []))
-            except (OSError, tomllib.TOMLDecodeError):
-                return True  # the daemon itself reports a bad config file: add nothing to it
-    return False
+    return config_file_says(
+        flags, lambda config: "device" in config or any(m.get("groups") for m in config.get("models", []))
+    )
 
 
 @contextlib.contextmanager

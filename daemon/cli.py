@@ -12,6 +12,8 @@ from daemon.bench.flags import add_bench_flags
 from daemon.config import add_serve_flags, is_loopback
 from daemon.health_command import HELP as HEALTH_HELP
 from daemon.health_command import add_health_flags
+from daemon.rollout_command import HELP as ROLLOUT_HELP
+from daemon.rollout_command import add_rollout_flags
 from daemon.tokenizer_path_command import HELP as TOKENIZER_PATH_HELP
 from daemon.tokenizer_path_command import add_tokenizer_path_flags
 from daemon.version import tokend_version
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_command(commands)
     add_health_flags(commands.add_parser("health", help=HEALTH_HELP, formatter_class=_DefaultsShown))
     add_tokenizer_path_flags(commands.add_parser("tokenizer-path", help=TOKENIZER_PATH_HELP))
+    add_rollout_flags(commands.add_parser("rollout", help=ROLLOUT_HELP, formatter_class=_DefaultsShown))
     return parser
 
 
@@ -137,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.health_command import run_health
 
         return run_health(args)
+    if args.command == "rollout":
+        from daemon.rollout_command import run_rollout
+
+        try:
+            return run_rollout(args)
+        except ValueError as error:
+            print(f"tokend rollout: {error}", file=sys.stderr)
+            return 2
     if args.command == "tokenizer-path":
         from daemon.tokenizer_path_command import run_tokenizer_path
 

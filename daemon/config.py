@@ -97,6 +97,19 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         int, _doc("torch threads per scheduler; 0: the cores left after one for the frontend and gateway, shared")
     ] = 0
     drain_timeout: Annotated[float, _doc("seconds in-flight streams get to finish on SIGTERM")] = 30.0
+    spare_devices: Annotated[
+        str,
+        _doc("devices no model starts on, kept for surge rollouts: a list like --device's (cpu,cpu: two CPU "
+             "groups; cuda:2,cuda:3); empty: rollouts restart groups in place"),
+    ] = ""  # fmt: skip
+    rollout_drain_timeout: Annotated[
+        float, _doc("seconds an old worker's streams get to finish during a rollout before on_drain_timeout")
+    ] = 600.0
+    on_drain_timeout: Annotated[
+        Literal["abort", "migrate"],
+        _doc("at the rollout drain timeout: abort (the stream ends with finish_reason abort) or migrate (its prompt "
+             "and tokens so far go on on a new worker)"),
+    ] = "abort"  # fmt: skip
     stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 30.0
     # Its running requests wait on (the scheduler may resume) until stall_timeout kills it.
     liveness_timeout: Annotated[
@@ -134,7 +147,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                self.cpu_threads)  # fmt: skip
         _check("http_max_connections", _is_int(self.http_max_connections) and self.http_max_connections >= 1,
                "an integer >= 1", self.http_max_connections)  # fmt: skip
-        for key in ("drain_timeout", "stall_timeout"):
+        for key in ("drain_timeout", "stall_timeout", "rollout_drain_timeout"):
             value = getattr(self, key)
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
         for key in ("liveness_timeout", "http_header_timeout"):
@@ -207,6 +220,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def devices(self) -> list[str]:
         return [d.strip() for d in self.device.split(",")] if isinstance(self.device, str) else []
 
+    def spare_placements(self, environ: Mapping[str, str] = os.environ) -> list[Placement]:
+        """One per spare device (spare_devices): where surge rollouts start new workers. ValueError names the key."""
+        spares = [d.strip() for d in self.spare_devices.split(",") if d.strip()]
+        return place([("", spares)], [], [], visible_gpus(environ)) if spares else []
+
     def scheduler_threads(self, num_schedulers: int) -> int:
         """torch threads for each scheduler process: `cpu_threads`, or else the cores this process may run on,
         less one for the frontend and the gateway, shared among the schedulers (at least one each)."""
@@ -258,6 +276,7 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
     config = ServeConfig(**values, engine=engine, admission=admission)
     # Against the GPUs this environment shows: a device that is not there, or one GPU shared without shares.
     config.scheduler_placements(environ)
+    config.spare_placements(environ)
     return config
 
 

@@ -17,7 +17,7 @@ API_KEY_ENV = "TOKEND_API_KEY"
 
 def run_generate(args: argparse.Namespace) -> int:
     """Streams each prompt's text to stdout as it decodes, then its usage and request id to stderr."""
-    metadata = _auth_metadata(args.api_key or os.environ.get(API_KEY_ENV, ""))
+    metadata = auth_metadata(args.api_key or os.environ.get(API_KEY_ENV, ""))
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for prompt in args.prompts:
@@ -59,7 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
     """What the frontend authenticates tenants by; no key: none sent (a daemon without tenants needs none)."""
     if not api_key:
         return ()

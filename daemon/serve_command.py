@@ -28,4 +28,4 @@ def run_serve(args: argparse.Namespace) -> int:
 
     setproctitle.setproctitle("tokend: serve")
     log = configure_logging("daemon", config.log_level)
-    return Supervisor(config, log).run()
+    return Supervisor(config, log, reload_config=lambda: load_serve_config(args)).run()

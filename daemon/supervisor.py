@@ -1,6 +1,8 @@
-"""The `tokend serve` process: spawns the frontend and one scheduler per GPU group, keeps them alive, drains.
+"""The `tokend serve` process: spawns the frontend, the gateway and the worker set, keeps them alive, drains.
 
-It never imports torch: a supervisor must stay small and start fast. Children die with it (PDEATHSIG).
+It never imports torch: a supervisor must stay small and start fast. Children die with it (PDEATHSIG). The worker
+set (daemon.worker_pool) is reconciled here, one action per tick, and published to the frontend over the control
+channel, which also brings operators' rollout commands in.
 """
 
 from __future__ import annotations
@@ -12,49 +14,62 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR
+from daemon.child_specs import frontend_spec, gateway_spec
 from daemon.children import Child
 from daemon.config import ServeConfig
+from daemon.control_channel import ControlChannel
 from daemon.listeners import banner, listeners_of
+from daemon.rollout_commands import handle_rollout
 from daemon.systemd_notify import SystemdNotifier
-from frontend.gateway.spec import GatewaySpec
-from frontend.spec import METRICS_SOCKET_FILE, FrontendSpec, SchedulerAddress
-from gpu_runtime.ipc.peer_auth import SECRET_FILE, write_secret
-from gpu_runtime.worker.spec import WorkerSpec
+from daemon.worker_pool import MAX_CONSECUTIVE_FAILURES, CannotServe, WorkerPool
+from frontend.control_messages import (
+    ControlHello,
+    DrainTimeoutAction,
+    RolloutCommand,
+    TenantsUpdate,
+    WorkerSet,
+)
+from gpu_runtime.ipc.peer_auth import read_secret, write_secret
 
 _TICK_S = 0.1
 _HEALTH_PROBE_EVERY_S = 0.25
-_MAX_CONSECUTIVE_FAILURES = 8  # then the daemon gives up and exits non-zero, for systemd to restart it
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, log):
+    def __init__(self, config: ServeConfig, log, reload_config: Callable[[], ServeConfig] | None = None):
         self.config = config
         self.log = log
+        self._reload_config = reload_config  # SIGHUP reads the configuration again through it
         self.notifier = SystemdNotifier()
         Path(config.state_dir).mkdir(parents=True, exist_ok=True)
         # A private directory (mkdtemp makes it 0700): only the service user can reach the ipc sockets.
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokend-", dir=_systemd_runtime_dir()))
         # A new secret every boot, before any child exists: each child proves its hellos with it (peer_auth).
-        write_secret(self.runtime_dir)
-        self.schedulers = self._scheduler_children()
+        secret_path = write_secret(self.runtime_dir)
+        self.pool = WorkerPool(config, self.runtime_dir, log)
+        self.control = ControlChannel(self.runtime_dir, read_secret(secret_path), log)
         self.frontend = self._frontend_child()
         self.gateway = self._gateway_child() if config.http_port else None
         self._stop_requested = False
+        self._reload_requested = False
         self._serving = False
+        self._published_version = -1
 
     @property
     def children(self) -> list[Child]:
-        return [*self.schedulers, self.frontend, *([self.gateway] if self.gateway else [])]
+        """The frontend and the gateway: the workers are the pool's."""
+        return [self.frontend, *([self.gateway] if self.gateway else [])]
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._request_stop)
-        self.log.info("starting", runtime_dir=str(self.runtime_dir), schedulers=[c.name for c in self.schedulers])
+        signal.signal(signal.SIGHUP, self._request_reload)
+        workers = [w.spec.worker_id for w in self.pool.workers]
+        self.log.info("starting", runtime_dir=str(self.runtime_dir), schedulers=workers)
         if not self.config.tenants:
             self.log.warning(
                 "AUTHENTICATION_IS_OFF",
@@ -63,17 +78,22 @@ class Supervisor:
         else:
             self.log.info("authentication_on", tenants=[t.name for t in self.config.tenants])
         try:
+            self.pool.start_all()
             for child in self.children:
                 child.start()
             exit_code = self._supervise()
         finally:
             self._shut_down()
+            self.control.close()
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.log.info("stopped", exit_code=exit_code)
         return exit_code
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True
+
+    def _request_reload(self, signum, frame) -> None:
+        self._reload_requested = True
 
     # -- the watch loop -------------------------------------------------------------------------------------
 
@@ -93,12 +113,20 @@ class Supervisor:
                 if code == EXIT_CONFIG_ERROR:  # the child logged why (a taken port, a bad model)
                     self.log.error("configuration_error", child=child.name)
                     return EXIT_CONFIG_ERROR
-                if child.consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
+                if child.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                     self.log.error("cannot_serve", child=child.name, exit_code=code)
                     return EXIT_CANNOT_SERVE
                 delay = child.schedule_restart(now)
                 self.log.warning("child_exited", child=child.name, exit_code=code, restart_in_s=delay)
+            try:
+                self.pool.tick(now)
+            except CannotServe as error:
+                return EXIT_CONFIG_ERROR if error.exit_code == EXIT_CONFIG_ERROR else EXIT_CANNOT_SERVE
             self._kill_stalled_schedulers()
+            self._serve_control_channel()
+            if self._reload_requested:
+                self._reload_requested = False
+                self._reload_tenants()
             if not self._serving and now >= next_probe:
                 next_probe = now + _HEALTH_PROBE_EVERY_S
                 if self._is_serving():
@@ -113,20 +141,71 @@ class Supervisor:
 
     def _kill_stalled_schedulers(self) -> None:
         now_wall = time.time()
-        for child in self.schedulers:
+        for worker in self.pool.workers:
+            child = worker.child
             age = child.heartbeat_age(now_wall)
             if child.process is not None and age is not None and age > self.config.stall_timeout:
                 self.log.error("scheduler_stalled", child=child.name, stalled_s=round(age))
-                child.process.kill()  # the loop above reaps it and restarts it
+                child.process.kill()  # the pool reaps it and restarts it
 
     def _schedulers_progressing(self) -> bool:
         """True while every scheduler loop has moved recently (a hung engine must not look alive to systemd).
 
         A scheduler that is (re)starting is not progressing either: if it never gets to its loop, systemd's
-        watchdog restarts the whole service."""
+        watchdog restarts the whole service. A rollout's new workers, loading for minutes, are the exception."""
         now_wall = time.time()
-        ages = [child.heartbeat_age(now_wall) for child in self.schedulers]
+        ages = [child.heartbeat_age(now_wall) for child in self.pool.watched_children(self._serving)]
         return all(age is not None and age <= self.config.stall_timeout for age in ages)
+
+    # -- the control channel --------------------------------------------------------------------------------
+
+    def _serve_control_channel(self) -> None:
+        for message in self.control.receive():
+            if isinstance(message, ControlHello):
+                self.log.info("frontend_connected", frontend_id=message.frontend_id)
+                self._published_version = -1  # the whole set again, for a frontend that knows nothing
+                if self.config.tenants != self._initial_tenants:
+                    self.control.send(TenantsUpdate(list(self.config.tenants)))
+            elif isinstance(message, RolloutCommand):
+                result = handle_rollout(self.pool, message)
+                log = self.log.warning if result.error else self.log.info
+                log("rollout_command", model=message.model_name, path=message.path, rollback=message.rollback,
+                    strategy=message.strategy, canary_percent=message.canary_percent,
+                    error=result.error or None)  # fmt: skip
+                self.pool.tick(time.monotonic())  # its first action now, in the set the frontend gets next
+                self._publish()
+                self.control.send(result)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._published_version == self.pool.version:
+            return
+        self._published_version = self.pool.version
+        self.control.send(
+            WorkerSet(
+                self.pool.version,
+                self.pool.infos(),
+                self.pool.statuses(),
+                self.config.rollout_drain_timeout,
+                DrainTimeoutAction(self.config.on_drain_timeout),
+            )
+        )
+
+    def _reload_tenants(self) -> None:
+        """SIGHUP: the tenants (keys, priorities, quotas) again from the configuration; a bad file changes nothing."""
+        if self._reload_config is None:
+            self.log.warning("config_reload_refused", error="this daemon was not started from a configuration")
+            return
+        from daemon.config_reload import reload_tenants
+
+        try:
+            reloaded = reload_tenants(self.config, self._reload_config)
+        except (ValueError, TypeError) as error:
+            self.log.error("config_reload_refused", error=str(error), detail="the previous configuration stays")
+            return
+        self.config = reloaded.config
+        self.log.info("config_reloaded", changes=reloaded.changes, needs_restart=reloaded.needs_restart)
+        self.control.send(TenantsUpdate(list(self.config.tenants)))
 
     def _is_serving(self) -> bool:
         """Our own listeners are bound (so the probes below reach our processes, not whoever held a port before
@@ -180,104 +259,18 @@ class Supervisor:
         self.frontend.stop(timeout=self.config.drain_timeout + 10.0)
         if self.gateway is not None:
             self.gateway.stop(timeout=10.0)
-        for child in self.schedulers:
-            child.signal(signal.SIGTERM)
-        for child in self.schedulers:
-            child.stop(timeout=10.0)
+        self.pool.stop_all(timeout=10.0)
 
     # -- children -------------------------------------------------------------------------------------------
 
-    def _scheduler_children(self) -> list[Child]:
-        return [
-            Child(
-                f"scheduler {spec.worker_id}",
-                "gpu_runtime.worker",
-                spec.to_json(),
-                heartbeat_path=Path(spec.heartbeat_path),
-                # Its GPUs only: its engine's "cuda:0" is the first, and no other GPU is within its reach.
-                env={} if spec.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices},
-            )
-            for spec in scheduler_specs(self.config, self.runtime_dir)
-        ]
-
     def _frontend_child(self) -> Child:
-        workers = [WorkerSpec.from_json(child.spec_json) for child in self.schedulers]
-        spec = frontend_spec(self.config, self.runtime_dir, workers)
+        self._initial_tenants = self.config.tenants
+        spec = frontend_spec(self.config, self.runtime_dir, [w.spec for w in self.pool.workers])
         return Child("frontend", "frontend", spec.to_json(), listening_path=Path(spec.listening_path))
 
     def _gateway_child(self) -> Child:
-        spec = GatewaySpec(
-            grpc_address=self.config.local_address(self.config.grpc_port),
-            http_port=self.config.http_port,
-            host=self.config.host,
-            shutdown_timeout_s=5.0,  # by the time it is stopped, the frontend has drained
-            header_timeout_s=self.config.http_header_timeout,
-            max_connections=self.config.http_max_connections,
-            log_level=self.config.log_level,
-            listening_path=str(self.runtime_dir / "gateway.listening"),
-            metrics_socket=str(self.runtime_dir / METRICS_SOCKET_FILE),
-            metrics_token_sha256=self.config.metrics_token_sha256,
-        )
+        spec = gateway_spec(self.config, self.runtime_dir)
         return Child("gateway", "frontend.gateway", spec.to_json(), listening_path=Path(spec.listening_path))
-
-
-def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
-    """One WorkerSpec per scheduler: each model on each of its groups, with the config's engine options, the model's
-    own share of a GPU, and that scheduler's identity (model, served name, device as its process sees it)."""
-    specs = []
-    served = config.served_models()
-    placements = config.scheduler_placements()
-    threads = config.scheduler_threads(len(placements))
-    groups_of_model: dict[int, int] = {}
-    for placement in placements:
-        model = served[placement.model_index]
-        group = groups_of_model.get(placement.model_index, 0)
-        groups_of_model[placement.model_index] = group + 1
-        slot = f"{placement.model_index}-{group}"
-        engine = msgspec.structs.replace(config.engine_of(model), device=placement.engine_device)
-        specs.append(
-            WorkerSpec(
-                worker_id=f"{model.name}/{group}",
-                group=str(group),
-                input_address=f"ipc://{runtime_dir}/scheduler-{slot}.ipc",
-                output_address=f"ipc://{runtime_dir}/frontend.ipc",
-                heartbeat_path=str(runtime_dir / f"scheduler-{slot}.alive"),
-                secret_path=str(runtime_dir / SECRET_FILE),
-                engine=engine,
-                log_level=config.log_level,
-                cpu_threads=threads,
-                cuda_visible_devices=placement.cuda_visible_devices,
-                devices=placement.label,
-            )
-        )
-    return specs
-
-
-def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSpec]) -> FrontendSpec:
-    """The frontend's spec: where each scheduler listens, the models' names, and the admission options as given."""
-    served = config.served_models()
-    return FrontendSpec(
-        grpc_port=config.grpc_port,
-        host=config.host,
-        metrics_port=config.metrics_port or None,
-        output_address=f"ipc://{runtime_dir}/frontend.ipc",
-        schedulers=[
-            SchedulerAddress(w.worker_id, w.engine.served_model_name or "", w.group, w.input_address) for w in workers
-        ],
-        default_model=served[0].name,
-        secret_path=str(runtime_dir / SECRET_FILE),
-        liveness_timeout_s=config.liveness_timeout,
-        aliases={alias: m.name for m in served for alias in m.aliases},
-        drain_timeout_s=config.drain_timeout,
-        log_level=config.log_level,
-        tenants=list(config.tenants),
-        state_dir=config.state_dir,
-        admission=config.admission,
-        tenant_metrics=config.tenant_metrics,
-        metrics_token_sha256=config.metrics_token_sha256,
-        listening_path=str(runtime_dir / "frontend.listening"),
-        metrics_socket=str(runtime_dir / METRICS_SOCKET_FILE),
-    )
 
 
 def _systemd_runtime_dir() -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class Ticket:
     cost: int  # tokens it may use (prompt + max_tokens): what fairness charges at dispatch
     arrived: float = field(default_factory=time.monotonic)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    route_draw: float = field(default_factory=random.random)  # which side of a canary's split it falls on
 
 
 @dataclass(eq=False)
@@ -107,6 +109,14 @@ class TokenBucket:
         self.refill()
         self.level -= tokens
 
+    def resized(self, tokens_per_minute: int) -> TokenBucket:
+        """This bucket under a new limit (a reload): what was spent of the old one stays spent."""
+        if tokens_per_minute == self.capacity:
+            return self
+        bucket = TokenBucket(tokens_per_minute)
+        bucket.level = bucket.capacity - (self.capacity - self.refill())
+        return bucket
+
 
 class AdmissionController:
     def __init__(self, link: SchedulerLink, spec: AdmissionSpec, metrics: FrontendMetrics, tenants: list[TenantSpec]):
@@ -121,6 +131,17 @@ class AdmissionController:
 
     def close(self) -> None:
         self._expiry.cancel()
+
+    def replace_tenants(self, tenants: list[TenantSpec]) -> None:
+        """A reload's tenants and limits, for requests from now on. A quota left as it was keeps its bucket (a
+        reload must not refill it); requests in flight, a removed tenant's too, run on and are released as ever."""
+        old = self._buckets
+        self._tenants = {t.name: t for t in tenants}
+        self._buckets = {
+            t.name: old[t.name].resized(t.tokens_per_minute) if t.name in old else TokenBucket(t.tokens_per_minute)
+            for t in tenants
+            if t.tokens_per_minute
+        }
 
     # -- the way in ---------------------------------------------------------------------------------------------
 
@@ -231,7 +252,7 @@ class AdmissionController:
         """Dispatches queued tickets, most urgent class first, while schedulers have room for them."""
         now = time.monotonic()
         for model, pool in self._pools.items():
-            if not self._link.ready_schedulers(model):
+            if not self._link.ready_schedulers(model) and not self._link.expects_capacity(model):
                 self._fail_queued(model, pool)
             pool.note_interactive_demand(now)  # at every change of demand: arrivals, dispatches, ends all pump
             for priority in Priority:
@@ -281,7 +302,8 @@ class AdmissionController:
 
     def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
         limit = self._slot_limit(ticket.priority)
-        ready = [s for s in self._link.ready_schedulers(ticket.model) if len(s.requests) + s.reserved < limit(s)]
+        routed = self._link.routed_schedulers(ticket.model, ticket.route_draw)
+        ready = [s for s in routed if len(s.requests) + s.reserved < limit(s)]
         return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
 
     def _slot_limit(self, priority: Priority):

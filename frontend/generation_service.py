@@ -7,6 +7,7 @@ import time
 import uuid
 
 import grpc
+import msgspec
 import structlog
 
 from common.chat_template import ChatTemplateError, chat_options
@@ -16,6 +17,7 @@ from frontend.errors import RequestError, invalid
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter, status_of
 from frontend.metrics import FrontendMetrics
+from frontend.migration import Migration
 from frontend.models import ModelCatalog
 from frontend.request_phases import RequestPhases
 from frontend.request_stream import ChunkBuilder
@@ -41,6 +43,8 @@ from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 # How long a cancelled request's scheduler has to report its final counts before we stop waiting.
 _SETTLE_TIMEOUT_S = 10.0
+# How long a migrating request waits for a worker to take it over (an in-place rollout's gap between workers).
+_MIGRATE_WAIT_S = 120.0
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -67,6 +71,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         # (tenant, request id) of every request from arrival to its end -> its record id, the id schedulers see
         self._record_ids: dict[tuple[str, str], str] = {}
         self._phases: dict[str, RequestPhases] = {}  # record id -> its timings, from its dispatch to its end
+        self._migrations: dict[str, Migration] = {}  # record id -> what moving it to another worker takes
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.monotonic()
@@ -124,6 +129,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             stream = self._link.submit(scheduler, message, key[0] or None, cost)
             submitted = time.monotonic()
             self._phases[record_id] = RequestPhases(submitted - admission_began, submitted)
+            self._migrations[record_id] = Migration(message, [scheduler.generation])
         except Shed:
             del self._record_ids[key]
             await self._meter.record_shed(record_id, request_id, key[0] or None, model_name, priority)
@@ -139,8 +145,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             worker=scheduler.address.worker_id,
             priority=priority.label,
             prompt_tokens=len(message.prompt_token_ids),
+            generation=scheduler.generation,
         )
         record = self._meter.open(record_id, request_id, key[0] or None, model_name, priority)
+        record.generation = scheduler.generation
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record
 
     async def _prompt_token_ids(self, request: pb.GenerateRequest, model, tokenizer) -> list[int]:
@@ -170,11 +178,19 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _chunks(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, arrived: float):
         last_token_at = None
         phases = self._phases.get(stream.request_id) or RequestPhases(0.0, arrived)
+        migration = self._migrations.get(stream.request_id)
         while not builder.finished:
             deltas = await _next_deltas(stream)
+            moving = deltas[-1].migrate and migration is not None and migration.tokens_left > 0
+            if moving:  # its worker retired mid-stream: the tokens so far go out, and the rest comes from another
+                deltas[-1] = msgspec.structs.replace(deltas[-1], finish_reason=None, migrate=False)
+            deltas = migration.counted(deltas) if migration is not None else deltas
             now = time.monotonic()
             phases.on_deltas(deltas, now)
             chunk = builder.build(deltas)
+            chunk.generation = stream.scheduler.generation
+            if moving:
+                await self._migrate(stream, migration, record)
             self._meter.progress(record, builder.last_delta)
             if builder.stopped_by_string and not stream.finished:
                 self._link.abort(stream.request_id)  # the rest of the generation is unwanted
@@ -195,8 +211,26 @@ class GenerationService(pb_grpc.GenerationServicer):
                                                last.num_output_tokens)  # fmt: skip
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
                 reason = builder.finish_reason
+                chunk.migrated = migration is not None and migration.moved
                 await self._close(stream, record, status_of(reason), reason, builder.last_delta)
             yield chunk
+
+    async def _migrate(self, stream: RequestStream, migration: Migration, record: UsageRecord) -> None:
+        """Sends the rest of the request to a worker new requests go to (waiting out a rollout's gap between
+        workers, up to _MIGRATE_WAIT_S); UNAVAILABLE if none comes."""
+        model = stream.scheduler.address.model_name
+        deadline = time.monotonic() + _MIGRATE_WAIT_S
+        while not (targets := [s for s in self._link.routed_schedulers(model, 0.0) if s is not stream.scheduler]):
+            if time.monotonic() > deadline:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: its worker was retired and no "
+                                   "other took the request over; retry")  # fmt: skip
+            await asyncio.sleep(0.1)
+        target = min(targets, key=lambda s: (s.projected_ttft_seconds, len(s.requests)))
+        message = migration.continuation(target.generation)
+        record.generation = ",".join(migration.generations)
+        self._log.info("request_migrated", record_id=stream.request_id, worker=target.address.worker_id,
+                       generation=target.generation, tokens_so_far=migration.carried)  # fmt: skip
+        self._link.resubmit(stream, target, message)
 
     def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         """A request that did not run to its end is aborted, and metered once its scheduler has said what it
@@ -226,7 +260,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                     break
             if isinstance(item, SchedulerLost):
                 break
-            latest = item
+            migration = self._migrations.get(stream.request_id)
+            latest = migration.counted([item])[-1] if migration is not None else item
         self._forget(stream, record)
         await self._close(stream, record, outcome, builder.finish_reason or FinishReason.ABORT, latest)
 
@@ -248,6 +283,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The request no longer holds a scheduler slot: the next queued one may go."""
         self._record_ids.pop((record.tenant, record.request_id), None)
         self._phases.pop(stream.request_id, None)
+        self._migrations.pop(stream.request_id, None)
         if self._link.is_in_flight(stream.request_id):
             self._link.forget(stream)
             self._admission.release(stream.scheduler.address.model_name, stream.tenant, stream.priority)

@@ -1,7 +1,9 @@
 """Serving state of the frontend: in-flight requests, draining, and the health status it implies.
 
-Health has one service per served model (its name), SERVING while some scheduler of the model is live, and the
-whole server's ("" and tokend.v1.Generation), SERVING while every scheduler is; all NOT_SERVING once draining.
+Health has one service per served model (its name), SERVING while some scheduler of the model takes new requests
+or a rollout is between workers (requests wait for the new one), and the whole server's ("" and
+tokend.v1.Generation), SERVING while every scheduler is live (but those a rollout is starting or retiring) and
+every model is; all NOT_SERVING once draining.
 "liveness" is SERVING for as long as the frontend answers at all: a liveness probe (Kubernetes) must not restart a
 daemon that is only reloading a crashed scheduler or draining, which the daemon handles itself. So are the services
 that answer whatever the schedulers do, draining included: tokend.v1.Admin (Drain and GetLoad are what an operator
@@ -15,9 +17,10 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from frontend.control_messages import WorkerState
 from frontend.errors import RequestError
 from frontend.grpc_reflection import SERVICE_NAMES as REFLECTION_SERVICE_NAMES
-from frontend.scheduler_link import SchedulerLink
+from frontend.scheduler_link import SchedulerLink, SchedulerState
 
 SERVICE_NAMES = ("", "tokend.v1.Generation")
 LIVENESS_SERVICE = "liveness"
@@ -47,10 +50,26 @@ class Lifecycle:
 
     @property
     def is_serving(self) -> bool:
-        return not self.draining and all(s.is_live for s in self._link.schedulers)
+        """Every worker that should be serving is live, and every model can take requests."""
+        if self.draining:
+            return False
+        models = dict.fromkeys(s.address.model_name for s in self._link.schedulers)
+        return all(s.is_live for s in self._link.schedulers if self._counts(s)) and all(
+            self.model_is_serving(model) for model in models
+        )
 
     def model_is_serving(self, model_name: str) -> bool:
-        return not self.draining and bool(self._link.ready_schedulers(model_name))
+        """Some worker of the model takes new requests, or a rollout is between workers (requests wait for it)."""
+        if self.draining:
+            return False
+        return bool(self._link.ready_schedulers(model_name)) or self._link.expects_capacity(model_name)
+
+    def _counts(self, state: SchedulerState) -> bool:
+        """Whether a worker's being down makes the server not serving: a draining one is on its way out, and one
+        a rollout is starting is not serving yet; a crashed one (restarting) counts, as before rollouts."""
+        if state.worker_state in (WorkerState.DRAINING, WorkerState.STANDBY, WorkerState.RETIRED):
+            return False
+        return not (state.worker_state == WorkerState.STARTING and state.epoch > 0)
 
     def schedule_health_refresh(self) -> None:
         asyncio.get_running_loop().create_task(self.refresh_health())

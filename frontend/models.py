@@ -19,6 +19,7 @@ class ModelCatalog:
         self.names = list(dict.fromkeys([default_model] + [s.address.model_name for s in link.schedulers]))
         self._tokenizers: dict[str, Tokenizer] = {}
         self._chat_templates: dict[str, ChatTemplate | None] = {}
+        self._latest: dict[str, SchedulerReady] = {}
 
     def resolve(self, requested: str) -> str:
         """The served name a request means; NOT_FOUND names the field when there is none."""
@@ -30,17 +31,22 @@ class ModelCatalog:
         return name
 
     def tokenizer(self, ready: SchedulerReady) -> Tokenizer:
-        tokenizer = self._tokenizers.get(ready.model_name)
+        # By directory: a rollout's new weights may come with their own tokenizer.
+        tokenizer = self._tokenizers.get(ready.model_dir)
         if tokenizer is None:
-            tokenizer = self._tokenizers[ready.model_name] = Tokenizer(ready.model_dir)
+            tokenizer = self._tokenizers[ready.model_dir] = Tokenizer(ready.model_dir)
         return tokenizer
 
     def chat_template(self, ready: SchedulerReady) -> ChatTemplate | None:
-        if ready.model_name not in self._chat_templates:
-            self._chat_templates[ready.model_name] = ChatTemplate.from_model_dir(ready.model_dir, ready.chat_template)
-        return self._chat_templates[ready.model_name]
+        if ready.model_dir not in self._chat_templates:
+            self._chat_templates[ready.model_dir] = ChatTemplate.from_model_dir(ready.model_dir, ready.chat_template)
+        return self._chat_templates[ready.model_dir]
 
     def describe(self, name: str) -> SchedulerReady | None:
-        """The latest SchedulerReady of any scheduler of the model, or None when none is up."""
-        ready = self._link.ready_schedulers(name)
-        return ready[0].ready if ready else None
+        """The SchedulerReady of a scheduler of the model new requests go to (the newest weights), or None when
+        none is up. While a rollout is between workers, the latest any worker of the model said."""
+        ready = self._link.routed_schedulers(name, draw=0.0)
+        if ready:
+            self._latest[name] = ready[0].ready
+            return ready[0].ready
+        return self._latest.get(name) if self._link.expects_capacity(name) else None

@@ -25,12 +25,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from frontend.control_messages import WorkerSet, WorkerState
 from frontend.spec import FrontendSpec, SchedulerAddress
+from frontend.worker_set_view import WorkerSetView
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
     AddRequest,
+    DrainWorker,
     FrontendHello,
     LoadReport,
     RequestDelta,
@@ -60,6 +63,9 @@ class SchedulerLost:
 @dataclass(eq=False)
 class SchedulerState:
     address: SchedulerAddress
+    # Its place in the daemon's worker set (frontend.control_messages): only SERVING workers get new requests.
+    worker_state: WorkerState = WorkerState.SERVING
+    epoch: int = 0
     socket: zmq.asyncio.Socket | None = None
     ready: SchedulerReady | None = None  # None while down or starting
     load: LoadReport | None = None
@@ -79,8 +85,16 @@ class SchedulerState:
 
     @property
     def is_live(self) -> bool:
-        """Ready and making progress: the only kind that gets new requests."""
+        """Ready and making progress."""
         return self.ready is not None and not self.unresponsive
+
+    @property
+    def takes_new_requests(self) -> bool:
+        return self.is_live and self.worker_state == WorkerState.SERVING
+
+    @property
+    def generation(self) -> str:
+        return self.ready.generation if self.ready is not None else ""
 
     @property
     def projected_ttft_seconds(self) -> float:
@@ -103,6 +117,7 @@ class SchedulerLink:
     def __init__(self, spec: FrontendSpec, log, on_change: Callable[[], None]):
         self.frontend_id = uuid.uuid4().hex
         self.schedulers = [SchedulerState(address) for address in spec.schedulers]
+        self.worker_set = WorkerSetView()  # the daemon's latest WorkerSet, as routing reads it
         self._spec = spec
         self._log = log
         self._on_change = on_change  # called whenever a scheduler becomes ready or live, or stops being either
@@ -144,8 +159,17 @@ class SchedulerLink:
     # -- requests -------------------------------------------------------------------------------------------
 
     def ready_schedulers(self, model_name: str) -> list[SchedulerState]:
-        """The model's schedulers that may take a new request: ready, and live."""
-        return [s for s in self.schedulers if s.address.model_name == model_name and s.is_live]
+        """The model's schedulers that may take a new request: serving, ready, and live."""
+        return [s for s in self.schedulers if s.address.model_name == model_name and s.takes_new_requests]
+
+    def routed_schedulers(self, model_name: str, draw: float) -> list[SchedulerState]:
+        """The ready schedulers a new request may go to: the newest serving weights, or a canary's share (`draw`
+        in [0, 1) is the request's own)."""
+        return self.worker_set.route(model_name, self.ready_schedulers(model_name), draw)
+
+    def expects_capacity(self, model_name: str) -> bool:
+        """True while a rollout of the model is under way: a moment with no serving worker is planned, not lost."""
+        return self.worker_set.is_rolling(model_name)
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -159,6 +183,13 @@ class SchedulerLink:
         scheduler.requests.add(message.request_id)
         self._send(scheduler, message)
         return stream
+
+    def resubmit(self, stream: RequestStream, scheduler: SchedulerState, message: AddRequest) -> None:
+        """Moves a stream whose worker retired mid-request to `scheduler`, where `message` continues it."""
+        stream.scheduler.requests.discard(stream.request_id)
+        stream.scheduler, stream.finished = scheduler, False
+        scheduler.requests.add(stream.request_id)
+        self._send(scheduler, message)
 
     def abort(self, request_id: str) -> bool:
         """Asks the request's scheduler to drop it; its final counts still arrive on its stream."""
@@ -200,6 +231,42 @@ class SchedulerLink:
         hello = FrontendHello(self.frontend_id, self._auth.hello_proof(self.frontend_id))
         socket.send(self._to_scheduler.encode(hello), zmq.NOBLOCK)
 
+    # -- the worker set --------------------------------------------------------------------------------------
+
+    def apply_worker_set(self, message: WorkerSet) -> None:
+        """Takes the daemon's set: new workers are connected, states and epochs updated, retired ones dropped;
+        a worker newly draining is told so after every request already sent to it."""
+        self.worker_set.update(message)
+        known = {s.address.worker_id: s for s in self.schedulers}
+        listed = {info.worker_id for info in message.workers}
+        for info in message.workers:
+            state = known.get(info.worker_id)
+            if state is None:
+                address = SchedulerAddress(info.worker_id, info.model_name, info.group, info.input_address)
+                state = SchedulerState(address, info.state, info.epoch)
+                self.schedulers.append(state)
+                self._connect(state)
+                self._log.info("worker_added", worker=info.worker_id, epoch=info.epoch, state=str(info.state))
+            elif state.worker_state != info.state:
+                self._log.info("worker_state", worker=info.worker_id, state=str(info.state))
+            if info.state == WorkerState.DRAINING and state.worker_state != WorkerState.DRAINING:
+                state.worker_state = info.state
+                if state.is_ready:
+                    self._send(state, DrainWorker(message.drain_timeout_s, str(message.on_drain_timeout)))
+            state.worker_state, state.epoch = info.state, info.epoch
+        for state in [s for s in self.schedulers if s.address.worker_id not in listed]:
+            self._retire(state)
+        self._on_change()
+
+    def _retire(self, state: SchedulerState) -> None:
+        self._log.info("worker_removed", worker=state.address.worker_id)
+        self._lose(state, f"the scheduler of model {state.address.model_name!r} was retired; retry")
+        self.schedulers.remove(state)
+        if state.monitor_task is not None:
+            state.monitor_task.cancel()
+        if state.socket is not None:
+            state.socket.close(linger=0)
+
     async def _watch(self, state: SchedulerState, socket: zmq.asyncio.Socket, monitor) -> None:
         try:
             while True:
@@ -211,7 +278,10 @@ class SchedulerLink:
             raise
         socket.disable_monitor()
         monitor.close(linger=0)
-        self._log.warning("scheduler_lost", worker=state.address.worker_id)
+        if state.worker_state == WorkerState.DRAINING and not state.requests:
+            self._log.info("worker_exited", worker=state.address.worker_id, detail="drained")
+        else:
+            self._log.warning("scheduler_lost", worker=state.address.worker_id)
         self._lose(state, f"the scheduler of model {state.address.model_name!r} stopped; retry")
         socket.close(linger=0)  # drops whatever was queued for the dead process
         self._connect(state)
@@ -223,7 +293,7 @@ class SchedulerLink:
         state.unresponsive = False
         for request_id in list(state.requests):
             stream = self._streams.get(request_id)
-            if stream is not None:
+            if stream is not None and not stream.finished:  # a finished one has all it will get (or migrates)
                 stream.lost = True
                 stream.queue.put_nowait(SchedulerLost(reason))
         state.requests.clear()
@@ -321,8 +391,11 @@ class SchedulerLink:
         if state.ready is not None and state.ready.incarnation != message.incarnation:
             self._lose(state, f"the scheduler of model {state.address.model_name!r} restarted; retry")
         if state.ready is None:
-            self._log.info("scheduler_ready", worker=message.worker_id, pid=message.pid)
+            self._log.info("scheduler_ready", worker=message.worker_id, pid=message.pid, generation=message.generation)
             state.ready = message
+            if state.worker_state == WorkerState.DRAINING:  # it was told before this frontend existed, or not at all
+                view = self.worker_set
+                self._send(state, DrainWorker(view.drain_timeout_s, view.on_drain_timeout))
             state.heard_at = time.monotonic()
             while state.unproven:
                 earlier = state.unproven.popleft()

@@ -12,6 +12,7 @@ from common.listening import mark_listening
 from frontend.admin_service import AdminService
 from frontend.admission import AdmissionController
 from frontend.auth_interceptor import AuthInterceptor
+from frontend.control_link import ControlLink
 from frontend.error_interceptor import ErrorInterceptor
 from frontend.generation_service import GenerationService
 from frontend.grpc_reflection import enable_reflection
@@ -21,9 +22,11 @@ from frontend.metrics import FrontendMetrics
 from frontend.models import ModelCatalog
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import FrontendSpec
+from frontend.tenant_reload import apply_tenants
 from frontend.tenants import Authenticator
 from frontend.tokenize_pool import TokenizePool
 from frontend.usage_ledger import UsageLedger
+from gpu_runtime.ipc.peer_auth import read_secret
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -71,7 +74,8 @@ async def serve(spec: FrontendSpec, log) -> None:
     pb_grpc.add_GenerationServicer_to_server(
         GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log), server
     )
-    pb_grpc.add_AdminServicer_to_server(AdminService(link, lifecycle, ledger.path), server)
+    admin = AdminService(link, lifecycle, ledger.path)
+    pb_grpc.add_AdminServicer_to_server(admin, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_names = [
         pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -85,6 +89,13 @@ async def serve(spec: FrontendSpec, log) -> None:
         raise PortInUse(f"grpc_port: cannot listen on {host_port(spec.host, spec.grpc_port)} ({error})") from None
     await lifecycle.refresh_health()  # NOT_SERVING until every scheduler said it is ready
     await link.start()
+    control = None
+    if spec.control_address:
+        control = ControlLink(link, spec.control_address, spec.daemon_control_address,
+                              read_secret(spec.secret_path), log)  # fmt: skip
+        control.on_tenants = lambda tenants: apply_tenants(tenants, authenticator, admission, log)
+        await control.start()
+    admin.control = control
     await server.start()
     checkpoints = asyncio.create_task(meter.checkpoint_forever(), name="usage-checkpoints")
     if spec.metrics_port is not None:
@@ -115,6 +126,8 @@ async def serve(spec: FrontendSpec, log) -> None:
     checkpoints.cancel()
     admission.close()
     tokenize.close()
+    if control is not None:
+        control.close()
     link.close()
     ledger.close()
     log.info("frontend_stopped")

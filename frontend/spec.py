@@ -89,6 +89,10 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_socket: str = ""
     # Created once this process's own listeners are bound: the daemon's proof that they are ours ("" = none).
     listening_path: str = ""
+    # The control channel with the daemon (frontend.control_messages): the worker set, rollouts, tenant reloads.
+    # "" = none: the schedulers above are the whole, fixed set.
+    control_address: str = ""  # ipc:// this process binds
+    daemon_control_address: str = ""  # ipc:// the daemon binds
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -23,6 +23,10 @@ class Authenticator:
     def __init__(self, tenants: list[TenantSpec]):
         self.tenants = tenants
 
+    def replace(self, tenants: list[TenantSpec]) -> None:
+        """A reload's tenants, for every call from now on; a call already authenticated keeps the tenant it had."""
+        self.tenants = list(tenants)
+
     @property
     def enabled(self) -> bool:
         return bool(self.tenants)

@@ -28,16 +28,17 @@ CREATE TABLE IF NOT EXISTS usage (
     cached_tokens INTEGER NOT NULL,
     started_at REAL NOT NULL,          -- unix seconds
     updated_at REAL NOT NULL,
-    finished_at REAL
+    finished_at REAL,
+    generation TEXT NOT NULL DEFAULT ''  -- the weights that produced its tokens (the last ones, if it migrated)
 );
 CREATE INDEX IF NOT EXISTS usage_started_at ON usage (started_at);
 """
 _UPSERT = """
-INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (record_id) DO UPDATE SET
     status = excluded.status, prompt_tokens = excluded.prompt_tokens,
     completion_tokens = excluded.completion_tokens, cached_tokens = excluded.cached_tokens,
-    updated_at = excluded.updated_at, finished_at = excluded.finished_at
+    updated_at = excluded.updated_at, finished_at = excluded.finished_at, generation = excluded.generation
 """
 # Only rows a dead frontend left: a live request's counts are never overwritten from outside its own stream.
 _SETTLE_INTERRUPTED = """
@@ -61,6 +62,7 @@ class UsageRecord:
     started_at: float
     updated_at: float
     finished_at: float | None = None
+    generation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,10 @@ def connect(path: Path, read_only: bool = False) -> sqlite3.Connection:
     # NORMAL in WAL mode: a commit survives the process being killed (not a power cut), without an fsync each.
     connection.execute("PRAGMA synchronous=NORMAL")
     connection.executescript(_SCHEMA)
+    columns = {row[1] for row in connection.execute("PRAGMA table_info(usage)")}
+    if "generation" not in columns:  # a ledger from before rollouts: its rows keep generation ''
+        connection.execute("ALTER TABLE usage ADD COLUMN generation TEXT NOT NULL DEFAULT ''")
+        connection.commit()
     return connection
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common.generation import model_generation
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.default_model import resolve_model_dir, served_name
 from gpu_runtime.device import checkpoint_dtype, resolve_device, resolve_dtype
@@ -60,8 +61,10 @@ class LLMEngine:
         model, pool, self.memory = load_model_and_pool(
             model_dir, self.model_config, config, backend, self.dtype, self.device
         )
-        # The salt keeps one model's cached pages from ever matching another's.
-        salt = f"{self.model_name}:{model_dir.resolve()}".encode()
+        # Which weights these are; it salts the page hashes, so cached pages (and pages handed between workers)
+        # never match across models or across two generations of one model's weights.
+        self.generation = model_generation(model_dir)
+        salt = f"{self.model_name}:{self.generation}".encode()
         self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
         self.runner = ModelRunner(model, pool, self.device)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from daemon_harness import ROOT, Daemon, free_port
 
+from daemon.child_specs import scheduler_specs
 from daemon.cli import build_parser
 from daemon.config import ServeConfig, load_serve_config
 from daemon.gpu_placement import visible_gpus
-from daemon.supervisor import scheduler_specs
 from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from gpu_runtime.worker.engine_start import TEST_CUDA_AS_CPU
 from tokend.v1 import tokend_pb2 as pb

@@ -26,7 +26,7 @@ def test_the_stubs_are_generated_from_this_proto():
     services = pb.DESCRIPTOR.services_by_name
     assert pb.DESCRIPTOR.package == "tokend.v1"
     assert set(services["Generation"].methods_by_name) == {"Generate", "Abort", "ListModels"}
-    assert set(services["Admin"].methods_by_name) == {"Drain", "GetLoad", "GetUsage"}
+    assert set(services["Admin"].methods_by_name) == {"Drain", "GetLoad", "GetUsage", "Rollout", "GetRollout"}
     assert services["Generation"].methods_by_name["Generate"].server_streaming
     declared = set(re.findall(r"^message (\w+)", PROTO.read_text(), re.MULTILINE))
     assert declared == set(pb.DESCRIPTOR.message_types_by_name)

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 from daemon_harness import ROOT, free_port
 
+from daemon.child_specs import frontend_spec, scheduler_specs
 from daemon.cli import build_parser
 from daemon.config import ServeConfig, load_serve_config
-from daemon.supervisor import frontend_spec, scheduler_specs
 from frontend.spec import AdmissionSpec, FrontendSpec
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME
 from gpu_runtime.engine_config import EngineConfig

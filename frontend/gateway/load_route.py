@@ -55,6 +55,11 @@ def load_body(reply: pb.GetLoadResponse) -> dict:
                 "projected_ttft_seconds": s.projected_ttft_seconds,
                 "report_age_seconds": s.report_age_seconds,
                 "pid": s.pid,
+                "worker_id": s.worker_id,
+                "state": s.state,
+                "generation": s.generation,
+                "role": s.role,
+                "epoch": s.epoch,
             }
             for s in reply.schedulers
         ],

@@ -46,6 +46,9 @@ class ResponseShape:
         self.wants_logprobs = wants_logprobs
         self.choices = [ChoiceState(i) for i in range(n)]
         self.per_prompt = per_prompt or n
+        # OpenAI's name for what identifies the backend that served: here the weights' generation (a rollout
+        # changes it), so a client can tell which weights answered.
+        self.system_fingerprint: str | None = None
 
     # -- streaming ----------------------------------------------------------------------------------------------
 
@@ -54,6 +57,8 @@ class ResponseShape:
         choice = self.choices[index]
         if response.model:
             self.model = response.model
+        if response.generation:
+            self.system_fingerprint = response.generation
         logprobs = self._logprobs(choice, list(response.logprobs)) if self.wants_logprobs else None
         first = not choice.text
         choice.text.append(response.text)
@@ -81,7 +86,8 @@ class ResponseShape:
 
     def _header(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint}  # fmt: skip
 
     # -- whole bodies -------------------------------------------------------------------------------------------
 
@@ -102,6 +108,7 @@ class ResponseShape:
             "object": kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
             "choices": choices,
             "usage": self.usage(),
         }

@@ -36,7 +36,15 @@ class FrontendHello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fie
     proof: bytes  # PeerAuth.hello_proof(frontend_id): the sender read the daemon's per-boot secret
 
 
-ToScheduler = AddRequest | AbortRequests | FrontendHello
+class DrainWorker(msgspec.Struct, frozen=True, tag="drain", forbid_unknown_fields=True):
+    """This worker takes no new requests (a rollout replaces it): it finishes what it runs, then exits 0. Sent
+    on the same connection as the requests, so every request sent before it is known to the worker first."""
+
+    timeout_s: float  # then what still runs ends as on_timeout says
+    on_timeout: str  # "abort": final deltas with finish reason abort; "migrate": the same, marked `migrate`
+
+
+ToScheduler = AddRequest | AbortRequests | FrontendHello | DrainWorker
 
 
 # -- scheduler -> frontend --------------------------------------------------------------------------------
@@ -70,6 +78,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # With FinishReason.ERROR: the request itself was fine and may succeed if sent again (a step that ran out of
     # device memory); the frontend answers UNAVAILABLE rather than INVALID_ARGUMENT.
     retryable: bool = False
+    # With FinishReason.ABORT: the worker was retired mid-stream (a rollout's drain timeout, on_drain_timeout
+    # migrate); the frontend goes on with the prompt and these tokens on a serving worker.
+    migrate: bool = False
 
     @property
     def finished(self) -> bool:
@@ -103,6 +114,7 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     # --chat-template, absolute; None: the checkpoint's own template (the frontend renders chats).
     chat_template: str | None = None
+    generation: str = ""  # the weights it serves (common.generation): named in every chunk and ledger row
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):
@@ -129,6 +141,8 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     # since the process started: [count <= bucket 0, count in (bucket 0, bucket 1], ..., count > the last bucket].
     iteration_token_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    generation: str = ""
+    draining: bool = False  # it got DrainWorker: it finishes what it runs and exits
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport

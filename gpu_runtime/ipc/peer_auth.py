@@ -23,6 +23,7 @@ _SECRET_BYTES = 32
 # Each proof names what it vouches for, so that a hello's proof can never pass as a ready's.
 _HELLO = b"tokend-frontend-hello\0"
 _READY = b"tokend-scheduler-ready\0"
+_CONTROL = b"tokend-control\0"  # the daemon <-> frontend control channel (frontend.control_messages)
 
 
 def write_secret(runtime_dir: Path) -> Path:
@@ -59,6 +60,13 @@ class PeerAuth:
 
     def ready_is_genuine(self, worker_id: str, incarnation: str, proof: bytes) -> bool:
         return hmac.compare_digest(self.ready_proof(worker_id, incarnation), proof)
+
+    def control_mac(self, sender: str, body: bytes) -> bytes:
+        """Signs one control-channel message: its sender ("daemon" or "frontend") and its encoded bytes."""
+        return self._mac(_CONTROL, sender, body.hex())
+
+    def control_is_genuine(self, sender: str, body: bytes, mac: bytes) -> bool:
+        return hmac.compare_digest(self.control_mac(sender, body), mac)
 
     def _mac(self, purpose: bytes, *parts: str) -> bytes:
         # Each part is length-prefixed: ("ab", "c") and ("a", "bc") must not sign the same bytes.

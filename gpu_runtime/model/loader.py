@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
@@ -47,11 +47,14 @@ def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(model_dir)
     with LoadProgress(model_dir, files) as progress:
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensor = f.get_tensor(name)
-                    yield name, tensor
-                    progress.advance(tensor.numel() * tensor.element_size())
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        tensor = f.get_tensor(name)
+                        yield name, tensor
+                        progress.advance(tensor.numel() * tensor.element_size())
+            except SafetensorError as error:  # a damaged file: the same at every retry, so a config error
+                raise ValueError(f"model: {path} is not a readable safetensors file ({error})") from None
 
 
 def load_model(

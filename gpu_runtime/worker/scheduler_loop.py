@@ -9,11 +9,14 @@ import threading
 import time
 import uuid
 
+import msgspec
+
 from gpu_runtime.engine import LLMEngine
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import (
     AbortRequests,
     AddRequest,
+    DrainWorker,
     FrontendHello,
     LoadReport,
     RequestDelta,
@@ -64,6 +67,8 @@ class SchedulerLoop:
         self._stopping = threading.Event()
         self._next_report = 0.0
         self._recent_step_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._drain: DrainWorker | None = None  # set once the frontend said this worker is being retired
+        self._drain_deadline = 0.0
 
     def stop(self) -> None:
         self._stopping.set()
@@ -81,6 +86,24 @@ class SchedulerLoop:
                 if deltas:
                     self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
             self._report_when_due()
+            if self._drain is not None:
+                self._drain_when_done()
+
+    def _drain_when_done(self) -> None:
+        """A draining worker stops once nothing runs here; past its timeout, it ends what still runs first."""
+        if self.engine.has_unfinished_requests() and time.monotonic() >= self._drain_deadline:
+            migrate = self._drain.on_timeout == "migrate"
+            deltas = []
+            for request_id in self.engine.unfinished_request_ids():
+                delta = self.engine.abort_request(request_id)
+                if delta is not None:
+                    deltas.append(msgspec.structs.replace(delta, migrate=migrate))
+            self._log.warning("drain_timeout", ended=len(deltas), action=self._drain.on_timeout)
+            self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
+        if not self.engine.has_unfinished_requests():
+            self._log.info("drained", detail="every stream ended; exiting")
+            self._report_when_due(force=True)
+            self.stop()
 
     def _log_step_failure(self, failure: StepOutOfMemory) -> None:
         self._log.error(
@@ -139,6 +162,13 @@ class SchedulerLoop:
             return []
         if isinstance(message, AddRequest):
             return self._add(message)
+        if isinstance(message, DrainWorker):
+            if self._drain is None:
+                self._drain = message
+                self._drain_deadline = time.monotonic() + message.timeout_s
+                self._log.info("draining", running=len(self.engine.unfinished_request_ids()),
+                               timeout_s=message.timeout_s, on_timeout=message.on_timeout)  # fmt: skip
+            return []
         if isinstance(message, AbortRequests):
             aborted = [self.engine.abort_request(request_id) for request_id in message.request_ids]
             deltas = [delta for delta in aborted if delta is not None]
@@ -201,11 +231,12 @@ class SchedulerLoop:
             proof=self._auth.ready_proof(self.spec.worker_id, self.incarnation),
             sampling_defaults=engine.sampling_defaults,
             chat_template=engine.chat_template,
+            generation=engine.generation,
         )
 
-    def _report_when_due(self) -> None:
+    def _report_when_due(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now < self._next_report:
+        if now < self._next_report and not force:
             return
         self._next_report = now + self.spec.load_report_interval_s
         snapshot = self.engine.snapshot()
@@ -229,6 +260,8 @@ class SchedulerLoop:
                 longest_recent_step_ms=1e3 * max(self._recent_step_seconds, default=0.0),
                 iteration_token_counts=list(self.engine.stats.iteration_token_counts),
                 iteration_tokens_sum=self.engine.stats.iteration_tokens_sum,
+                generation=self.engine.generation,
+                draining=self._drain is not None,
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

@@ -1,0 +1,83 @@
+"""An operator's rollout command (Admin.Rollout, `tokend rollout`), checked and handed to the worker pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from daemon.rollout_plan import Target
+from daemon.worker_pool import WorkerPool
+from frontend.control_messages import CommandResult, RolloutCommand, RolloutStrategy
+from gpu_runtime.default_model import MODEL_REFERENCE, is_model_reference
+
+_IN_PROGRESS = ("rolling", "rolling-back")
+
+
+def handle_rollout(pool: WorkerPool, command: RolloutCommand) -> CommandResult:
+    """Starts the rollout (or rollback) the command asks for, or says which field is wrong."""
+    rollout = pool.rollouts.get(command.model_name)
+    if rollout is None:
+        return _refused(command, "NOT_FOUND", f"model: {command.model_name!r} is not served here; "
+                        f"served: {sorted(pool.rollouts)}")  # fmt: skip
+    if not 0 <= command.canary_percent <= 100:
+        message = f"canary_percent: must be in [0, 100], got {command.canary_percent}"
+        return _refused(command, "INVALID_ARGUMENT", message)
+    try:
+        strategy = _strategy(pool, command)
+    except ValueError as error:
+        return _refused(command, "INVALID_ARGUMENT", str(error))
+    if command.rollback:
+        if not rollout.history:
+            return _refused(command, "FAILED_PRECONDITION", f"rollback: model {command.model_name!r} has no "
+                            "earlier weights to go back to")  # fmt: skip
+        return CommandResult(command.command_id, rollout=pool.roll_back(command.model_name, strategy).status())
+    path = command.path
+    if not path or not is_model_reference(path):
+        return _refused(command, "INVALID_ARGUMENT", f"path: expected {MODEL_REFERENCE}, got {path!r}")
+    if Path(path).exists():
+        path = str(Path(path).resolve())  # the daemon's processes do not share the caller's working directory
+    new_weights = pool.is_new_weights(command.model_name, path)
+    if rollout.phase in _IN_PROGRESS and new_weights:
+        return _refused(command, "FAILED_PRECONDITION", f"model: a rollout of {command.model_name!r} to "
+                        f"{rollout.path} is in progress ({rollout.phase}); wait for it, or roll it back")  # fmt: skip
+    if new_weights and strategy == RolloutStrategy.SURGE and not pool.spare_slots(command.model_name, strategy):
+        return _refused(command, "FAILED_PRECONDITION", "strategy: surge needs a free group to start new workers "
+                        "on (spare_devices); use in-place")  # fmt: skip
+    canary_error = _canary_error(pool, command, strategy, rollout.target_count)
+    if canary_error:
+        return _refused(command, "FAILED_PRECONDITION", canary_error)
+    return CommandResult(
+        command.command_id,
+        rollout=pool.begin_rollout(command.model_name, path, strategy, command.canary_percent).status(),
+    )
+
+
+def _canary_error(pool: WorkerPool, command: RolloutCommand, strategy: RolloutStrategy, count: int) -> str:
+    """Why a canary cannot hold here: it needs old workers left serving beside its new ones (in place: a model
+    on at least two groups), and a surge canary needs a free group for each of its new workers."""
+    target = Target(0, strategy, count, command.canary_percent)
+    if not target.is_canary:
+        return ""
+    if strategy == RolloutStrategy.IN_PLACE and target.count_wanted >= count:
+        return (f"canary_percent: an in-place canary of {command.canary_percent}% would replace all {count} "
+                "group(s) of the model; use a smaller share, more groups, or a surge with spare_devices")  # fmt: skip
+    free = len(pool.spare_slots(command.model_name, strategy))
+    if strategy == RolloutStrategy.SURGE and target.count_wanted > free:
+        return (f"canary_percent: {command.canary_percent}% of {count} worker(s) is {target.count_wanted} new "
+                f"worker(s), but {free} group(s) are free for a surge (spare_devices)")  # fmt: skip
+    return ""
+
+
+def _strategy(pool: WorkerPool, command: RolloutCommand) -> RolloutStrategy:
+    """As asked; unset: surge where a free group allows it, else in-place."""
+    if command.strategy:
+        try:
+            return RolloutStrategy(command.strategy)
+        except ValueError:
+            raise ValueError(f"strategy: must be surge|in-place, got {command.strategy!r}") from None
+    if pool.spare_slots(command.model_name, RolloutStrategy.SURGE):
+        return RolloutStrategy.SURGE
+    return RolloutStrategy.IN_PLACE
+
+
+def _refused(command: RolloutCommand, code: str, error: str) -> CommandResult:
+    return CommandResult(command.command_id, error=error, code=code)

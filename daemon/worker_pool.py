@@ -1,0 +1,312 @@
+"""The daemon's worker set: every scheduler process, its slot, weights, epoch and state, and each model's rollout.
+
+One writer changes what the set should be (a rollout command, a rollback, a failed rollout going back); `tick`
+moves the actual processes towards it, one action per model at a time (daemon.rollout_plan decides which), and
+notices what the processes did: warmed up (serving), exited after draining (retired), crashed (restarted with
+backoff, as before rollouts existed: crash restart is the plan's "keep target_count workers" too).
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.exit_codes import EXIT_CONFIG_ERROR
+from common.generation import model_generation
+from daemon.child_specs import Slot, slots_of, worker_spec
+from daemon.children import Child
+from daemon.config import ModelSpec, ServeConfig
+from daemon.rollout_plan import (
+    DrainWorkers,
+    PlannedWorker,
+    StartWorker,
+    StopWorkers,
+    Stuck,
+    Target,
+    Wait,
+    next_action,
+)
+from frontend.control_messages import RolloutStatus, RolloutStrategy, WorkerInfo, WorkerState
+from gpu_runtime.worker.spec import WorkerSpec
+
+MAX_CONSECUTIVE_FAILURES = 8  # then the daemon (or, for a rollout's worker, the rollout) gives up
+_EVENTS_KEPT = 32
+_DRAIN_GRACE_S = 30.0
+_ROLLOUT_START_ATTEMPTS = 3  # past the drain timeout, a draining worker that has not exited is stopped
+
+
+class CannotServe(Exception):
+    """A worker of the daemon's own configuration cannot start: the daemon exits with this code."""
+
+    def __init__(self, exit_code: int):
+        self.exit_code = exit_code
+
+
+@dataclass(eq=False)
+class Worker:
+    child: Child
+    spec: WorkerSpec
+    model_name: str
+    slot: Slot
+    epoch: int
+    path: str
+    state: WorkerState = WorkerState.STARTING
+    draining_since: float | None = None
+    stop_sent: bool = False
+    has_served: bool = False  # it got to its loop once: from then on, a restart is a crash restart
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.spec.worker_id, self.model_name, self.slot.group, self.slot.devices,
+                          self.spec.input_address, self.epoch, self.path, self.state,
+                          pid=self.child.pid or 0)  # fmt: skip
+
+
+@dataclass(eq=False)
+class Rollout:
+    """A model's target weights and how to get there; epoch 0 is the configuration's own."""
+
+    model: ModelSpec
+    target_count: int
+    epoch: int = 0
+    path: str = ""
+    weights: str = ""  # what the files at `path` were when this target was set (weights_of)
+    strategy: RolloutStrategy = RolloutStrategy.SURGE
+    canary_percent: int = 0
+    history: list[tuple[int, str]] = field(default_factory=list)  # (epoch, path) of the targets before this one
+    phase: str = "none"
+    error: str = ""
+    events: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_EVENTS_KEPT))
+
+    def target(self) -> Target:
+        return Target(self.epoch, self.strategy, self.target_count, self.canary_percent)
+
+    def status(self) -> RolloutStatus:
+        previous = self.history[-1][1] if self.history else ""
+        return RolloutStatus(self.model.name, self.phase, self.epoch, self.path, previous, self.strategy,
+                             self.canary_percent, list(self.events), self.error)  # fmt: skip
+
+
+class WorkerPool:
+    def __init__(self, config: ServeConfig, runtime_dir: Path, log):
+        self.config = config
+        self.runtime_dir = runtime_dir
+        self.log = log
+        self.slots = slots_of(config)
+        self.workers: list[Worker] = []
+        self.rollouts: dict[str, Rollout] = {}
+        self.version = 0  # of the set as the frontend sees it: bumped at every change
+        for model in config.served_models():
+            home = [slot for slot in self.slots if slot.owner == model.name]
+            path = model.path or model.name
+            self.rollouts[model.name] = Rollout(model, target_count=len(home), path=path, weights=weights_of(path))
+            for slot in home:
+                self._add_worker(model, slot, 0, path, configured=True)
+
+    # -- the set as others see it -----------------------------------------------------------------------------
+
+    def infos(self) -> list[WorkerInfo]:
+        return [worker.info() for worker in self.workers]
+
+    def statuses(self) -> list[RolloutStatus]:
+        return [rollout.status() for rollout in self.rollouts.values()]
+
+    def spare_slots(self, model_name: str, strategy: RolloutStrategy) -> list[int]:
+        """Free slots a new worker of the model may take: its own groups, and for surge the unused spares."""
+        held = {worker.slot.index for worker in self.workers}
+        allowed = (model_name, None) if strategy == RolloutStrategy.SURGE else (model_name,)
+        return [slot.index for slot in self.slots if slot.index not in held and slot.owner in allowed]
+
+    def _changed(self, event: str | None = None, model_name: str | None = None, **fields) -> None:
+        self.version += 1
+        if event is not None:
+            self.log.info(event, model=model_name, **fields)
+            if model_name in self.rollouts:
+                detail = " ".join(f"{key}={value}" for key, value in fields.items())
+                self.rollouts[model_name].events.append(f"{time.strftime('%H:%M:%S')} {event} {detail}".strip())
+
+    # -- starting and stopping ------------------------------------------------------------------------------
+
+    def _add_worker(self, model: ModelSpec, slot: Slot, epoch: int, path: str, configured: bool = False) -> Worker:
+        spec = worker_spec(self.config, self.runtime_dir, model, slot, epoch, None if configured else path)
+        child = Child(
+            f"scheduler {spec.worker_id}",
+            "gpu_runtime.worker",
+            spec.to_json(),
+            heartbeat_path=Path(spec.heartbeat_path),
+            # Its GPUs only: its engine's "cuda:0" is the first, and no other GPU is within its reach.
+            env={} if spec.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices},
+        )
+        slot.owner = model.name
+        worker = Worker(child, spec, model.name, slot, epoch, path)
+        self.workers.append(worker)
+        return worker
+
+    def start_all(self) -> None:
+        for worker in self.workers:
+            worker.child.start()
+
+    def stop_all(self, timeout: float) -> None:
+        for worker in self.workers:
+            worker.child.signal(signal.SIGTERM)
+        for worker in self.workers:
+            worker.child.stop(timeout=timeout)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Observes every worker, then takes each model's next rollout action. Raises CannotServe when a worker
+        of the daemon's own configuration cannot start."""
+        for worker in list(self.workers):
+            self._observe(worker, now)
+        for rollout in self.rollouts.values():
+            if rollout.phase in ("rolling", "rolling-back", "canary"):
+                self._advance(rollout)
+
+    def _observe(self, worker: Worker, now: float) -> None:
+        child = worker.child
+        if child.process is None:
+            if child.restart_at is not None and now >= child.restart_at:
+                self.log.info("restarting", child=child.name, restarts=child.num_restarts)
+                child.start()
+                worker.state = WorkerState.STARTING
+                self._changed()
+            return
+        code = child.poll()
+        if code is None:
+            if worker.state == WorkerState.STARTING and child.heartbeat_age(time.time()) is not None:
+                worker.state, worker.has_served = WorkerState.SERVING, True
+                self._changed("worker_serving", worker.model_name, worker=worker.spec.worker_id, epoch=worker.epoch)
+            elif worker.state == WorkerState.DRAINING:
+                self._enforce_drain_timeout(worker, now)
+            return
+        if worker.state == WorkerState.DRAINING:
+            self.workers.remove(worker)
+            self._changed("worker_retired", worker.model_name, worker=worker.spec.worker_id, exit_code=code)
+            return
+        rollout = self.rollouts[worker.model_name]
+        failures = child.consecutive_failures + 1
+        # New weights that crash before they ever served are not retried for minutes: the rollout goes back.
+        never_served = worker.epoch != 0 and not worker.has_served and failures >= _ROLLOUT_START_ATTEMPTS
+        gives_up = code == EXIT_CONFIG_ERROR or failures > MAX_CONSECUTIVE_FAILURES or never_served
+        if gives_up and worker.epoch == 0 and rollout.epoch == 0:
+            self.log.error("configuration_error" if code == EXIT_CONFIG_ERROR else "cannot_serve", child=child.name,
+                           exit_code=code)  # fmt: skip
+            raise CannotServe(code if code == EXIT_CONFIG_ERROR else 1)
+        if gives_up:  # a rollout's weights that cannot serve: back to the weights before them
+            self.workers.remove(worker)
+            self._fail_rollout(rollout, f"worker {worker.spec.worker_id} on {worker.path} exited with {code}")
+            return
+        delay = child.schedule_restart(now)
+        worker.state = WorkerState.FAILED
+        self._changed()
+        self.log.warning("child_exited", child=child.name, exit_code=code, restart_in_s=delay)
+
+    def _enforce_drain_timeout(self, worker: Worker, now: float) -> None:
+        """The worker ends its own streams at the drain timeout and exits; this is the backstop if it does not
+        (it never heard it is draining: the frontend was down)."""
+        overdue = now - worker.draining_since - self.config.rollout_drain_timeout - _DRAIN_GRACE_S
+        if overdue > 0 and not worker.stop_sent:
+            worker.stop_sent = True
+            self.log.warning("drain_overdue", worker=worker.spec.worker_id)
+            worker.child.signal(signal.SIGTERM)
+        elif overdue > _DRAIN_GRACE_S and worker.child.process is not None:
+            worker.child.process.kill()
+
+    def _advance(self, rollout: Rollout) -> None:
+        mine = [w for w in self.workers if w.model_name == rollout.model.name]
+        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index) for w in mine]
+        action = next_action(rollout.target(), planned, self.spare_slots(rollout.model.name, rollout.strategy))
+        if isinstance(action, StartWorker):
+            worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
+            worker.child.start()
+            self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
+                          path=rollout.path, devices=worker.slot.devices)  # fmt: skip
+        elif isinstance(action, DrainWorkers):
+            for worker in mine:
+                if worker.spec.worker_id in action.worker_ids:
+                    worker.state = WorkerState.DRAINING
+                    worker.draining_since = time.monotonic()
+                    self._changed("worker_draining", rollout.model.name, worker=worker.spec.worker_id,
+                                  epoch=worker.epoch)  # fmt: skip
+        elif isinstance(action, StopWorkers):
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                self._stop_unready(worker)
+        elif isinstance(action, Stuck):
+            self._fail_rollout(rollout, action.reason)
+        elif not isinstance(action, Wait):  # Done: the workers match the target
+            settled = {"rolling": "canary" if rollout.target().is_canary else "done", "rolling-back": "failed"}
+            if rollout.phase in settled:
+                rollout.phase = settled[rollout.phase]
+                self._changed(f"rollout_{rollout.phase}", rollout.model.name, epoch=rollout.epoch, path=rollout.path)
+
+    def _stop_unready(self, worker: Worker) -> None:
+        """A worker that serves nobody yet stops at once: it retires when it exits (now, if it is not running)."""
+        worker.state = WorkerState.DRAINING
+        worker.draining_since = time.monotonic()
+        if worker.child.process is None:  # crashed, waiting for its restart
+            self.workers.remove(worker)
+            self._changed("worker_retired", worker.model_name, worker=worker.spec.worker_id, exit_code=None)
+            return
+        worker.child.signal(signal.SIGTERM)
+        self._changed("worker_stopping", worker.model_name, worker=worker.spec.worker_id, epoch=worker.epoch)
+
+    def _fail_rollout(self, rollout: Rollout, reason: str) -> None:
+        rollout.error = reason
+        rollout.phase = "rolling-back"
+        if rollout.history:
+            rollout.epoch, rollout.path = rollout.history.pop()
+            rollout.weights = weights_of(rollout.path)
+        rollout.canary_percent = 0
+        self._changed("rollout_failed", rollout.model.name, reason=reason, back_to=rollout.path)
+
+    # -- commands -------------------------------------------------------------------------------------------
+
+    def begin_rollout(self, model_name: str, path: str, strategy: RolloutStrategy, canary_percent: int) -> Rollout:
+        """New weights get a new epoch; the same weights again (a canary lifted) go on with the rollout's own. New
+        files at the same path (a checkpoint overwritten in place) are new weights."""
+        rollout = self.rollouts[model_name]
+        if self.is_new_weights(model_name, path) or rollout.phase == "failed":
+            rollout.history.append((rollout.epoch, rollout.path))
+            rollout.epoch = max([w.epoch for w in self.workers] + [rollout.epoch]) + 1
+            rollout.path, rollout.weights = path, weights_of(path)
+        rollout.strategy = strategy
+        rollout.canary_percent = canary_percent
+        rollout.error = ""
+        rollout.phase = "rolling"
+        self._changed("rollout_started", model_name, epoch=rollout.epoch, path=path, strategy=str(strategy),
+                      canary_percent=canary_percent)  # fmt: skip
+        return rollout
+
+    def is_new_weights(self, model_name: str, path: str) -> bool:
+        return weights_of(path) != self.rollouts[model_name].weights
+
+    def roll_back(self, model_name: str, strategy: RolloutStrategy) -> Rollout:
+        """Back to the weights before the latest rollout (the old workers are kept if they still run)."""
+        rollout = self.rollouts[model_name]
+        rollout.epoch, rollout.path = rollout.history.pop()
+        rollout.weights = weights_of(rollout.path)
+        rollout.strategy = strategy
+        rollout.canary_percent = 0
+        rollout.error = ""
+        rollout.phase = "rolling"
+        self._changed("rollback_started", model_name, epoch=rollout.epoch, path=rollout.path)
+        return rollout
+
+    # -- health ---------------------------------------------------------------------------------------------
+
+    def is_rolling(self, model_name: str) -> bool:
+        return self.rollouts[model_name].phase in ("rolling", "rolling-back")
+
+    def watched_children(self, serving_announced: bool) -> list[Child]:
+        """The workers whose loops the systemd watchdog waits on: all of them until the daemon first serves, then
+        those that have served (a rollout's new worker may take minutes to load its weights; a crashed worker's
+        restart may not)."""
+        return [w.child for w in self.workers if w.has_served or not serving_announced]
+
+
+def weights_of(path: str) -> str:
+    """What the weights at `path` are now: their generation for files, the name itself for a built-in model."""
+    return model_generation(Path(path)) if Path(path).exists() else path

@@ -1,0 +1,100 @@
+"""The frontend's end of the control channel with the daemon (frontend.control_messages).
+
+It applies every WorkerSet to the scheduler link as it arrives, hands SIGHUP's tenants to `on_tenants`, and sends
+operators' rollout commands on, each answered by the daemon's CommandResult.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from frontend.control_messages import (
+    CommandResult,
+    ControlCodec,
+    ControlHello,
+    RolloutCommand,
+    RolloutStatus,
+    TenantsUpdate,
+    ToFrontend,
+    WorkerSet,
+)
+from frontend.scheduler_link import SchedulerLink
+from frontend.spec import TenantSpec
+from gpu_runtime.ipc.messages import MAX_MESSAGE_BYTES
+from gpu_runtime.ipc.peer_auth import PeerAuth
+
+_COMMAND_TIMEOUT_S = 10.0
+
+
+class DaemonUnreachable(Exception):
+    pass
+
+
+class ControlLink:
+    def __init__(self, link: SchedulerLink, control_address: str, daemon_address: str, secret: bytes, log):
+        self._link = link
+        self._log = log
+        self._codec = ControlCodec(PeerAuth(secret), "frontend", ToFrontend)
+        self._context = zmq.asyncio.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._inbox.bind(control_address)
+        self._outbox = self._context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.LINGER, 0)
+        self._outbox.connect(daemon_address)
+        self._pending: dict[str, asyncio.Future[CommandResult]] = {}
+        self._task: asyncio.Task | None = None
+        self.on_tenants: Callable[[list[TenantSpec]], None] = lambda tenants: None
+
+    @property
+    def rollouts(self) -> list[RolloutStatus]:
+        return list(self._link.worker_set.rollouts.values())
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._receive_forever(), name="daemon-control")
+        await self._outbox.send(self._codec.encode(ControlHello(uuid.uuid4().hex)))
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._context.destroy(linger=0)
+
+    async def rollout(self, command: RolloutCommand) -> CommandResult:
+        """The daemon's answer; DaemonUnreachable if none comes in time."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending[command.command_id] = future
+        try:
+            await self._outbox.send(self._codec.encode(command), zmq.NOBLOCK)
+            return await asyncio.wait_for(future, _COMMAND_TIMEOUT_S)
+        except (zmq.Again, TimeoutError):
+            raise DaemonUnreachable("the daemon did not answer; retry") from None
+        finally:
+            self._pending.pop(command.command_id, None)
+
+    async def _receive_forever(self) -> None:
+        while True:
+            data = await self._inbox.recv()
+            message = self._codec.decode_or_drop(data, self._log)
+            if message is None:
+                continue
+            try:
+                self._handle(message)
+            except Exception as error:  # one bad message must not stop the channel
+                self._log.error("message_failed", channel="control", error=repr(error), exc_info=True)
+
+    def _handle(self, message: ToFrontend) -> None:
+        if isinstance(message, WorkerSet):
+            if message.version > self._link.worker_set.version:
+                self._link.apply_worker_set(message)
+        elif isinstance(message, CommandResult):
+            future = self._pending.get(message.command_id)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, TenantsUpdate):
+            self.on_tenants(message.tenants)

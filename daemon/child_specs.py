@@ -98,6 +98,7 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
         tenants=list(config.tenants),
         state_dir=config.state_dir,
         admission=config.admission,
+        autoscale=config.autoscale,
         tenant_metrics=config.tenant_metrics,
         metrics_token_sha256=config.metrics_token_sha256,
         listening_path=str(runtime_dir / "frontend.listening"),

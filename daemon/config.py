@@ -20,7 +20,7 @@ import msgspec
 
 from daemon import config_flags
 from daemon.gpu_placement import ModelShare, Placement, place, visible_gpus
-from frontend.spec import AdmissionSpec, TenantSpec
+from frontend.spec import AdmissionSpec, AutoscaleSpec, TenantSpec
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, MODEL_REFERENCE, is_model_reference, served_name
 from gpu_runtime.engine_config import EngineConfig
 
@@ -126,6 +126,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tenants: tuple[TenantSpec, ...] = ()  # [[tenants]] tables (TOML only); none: authentication is off
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)  # model, served_model_name, device: unset
     admission: AdmissionSpec = msgspec.field(default_factory=AdmissionSpec)
+    autoscale: AutoscaleSpec = msgspec.field(default_factory=AutoscaleSpec)
 
     def __post_init__(self) -> None:
         for key in ("grpc_port", "metrics_port", "http_port"):
@@ -237,10 +238,13 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 # Each scheduler's identity (which model, which device) comes from the daemon's own model/device options, and
 # debug_checks from TOKEND_DEBUG: none of them is an engine flag.
 _ENGINE_IDENTITY = frozenset({"model", "served_model_name", "device", "debug_checks"})
-DAEMON_OPTIONS = config_flags.options_of(ServeConfig, skip=frozenset({"models", "tenants", "engine", "admission"}))
+DAEMON_OPTIONS = config_flags.options_of(
+    ServeConfig, skip=frozenset({"models", "tenants", "engine", "admission", "autoscale"})
+)
 ENGINE_OPTIONS = config_flags.options_of(EngineConfig, skip=_ENGINE_IDENTITY)
 ADMISSION_OPTIONS = config_flags.options_of(AdmissionSpec)
-ALL_OPTIONS = [*DAEMON_OPTIONS, *ENGINE_OPTIONS, *ADMISSION_OPTIONS]
+AUTOSCALE_OPTIONS = config_flags.options_of(AutoscaleSpec)
+ALL_OPTIONS = [*DAEMON_OPTIONS, *ENGINE_OPTIONS, *ADMISSION_OPTIONS, *AUTOSCALE_OPTIONS]
 TOML_KEYS = frozenset({o.key for o in ALL_OPTIONS} | {"models", "tenants"})
 
 
@@ -251,6 +255,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     config_flags.add_flags(parser.add_argument_group("daemon"), DAEMON_OPTIONS)
     config_flags.add_flags(parser.add_argument_group("engine (each scheduler process)"), ENGINE_OPTIONS)
     config_flags.add_flags(parser.add_argument_group("admission (the frontend)"), ADMISSION_OPTIONS)
+    config_flags.add_flags(parser.add_argument_group("autoscaler (the frontend decides, the daemon acts)"),
+                           AUTOSCALE_OPTIONS)  # fmt: skip
 
 
 def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeConfig:
@@ -273,7 +279,8 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
             values[key] = _tables(values[key], spec_type, key)
     engine = EngineConfig(**_take(values, ENGINE_OPTIONS))
     admission = AdmissionSpec(**_take(values, ADMISSION_OPTIONS))
-    config = ServeConfig(**values, engine=engine, admission=admission)
+    autoscale = AutoscaleSpec(**_take(values, AUTOSCALE_OPTIONS))
+    config = ServeConfig(**values, engine=engine, admission=admission, autoscale=autoscale)
     # Against the GPUs this environment shows: a device that is not there, or one GPU shared without shares.
     config.scheduler_placements(environ)
     config.spare_placements(environ)

@@ -54,6 +54,14 @@ class Target:
 @dataclass(frozen=True, slots=True)
 class StartWorker:
     slot: int
+    standby: bool = False  # once warm it waits unrouted, to be promoted (daemon.scaling_plan)
+
+
+@dataclass(frozen=True, slots=True)
+class PromoteWorkers:
+    """Standby workers that serve from now on: a routing flip, the weights are loaded and warm."""
+
+    worker_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,7 @@ class Stuck:
     reason: str
 
 
-Action = StartWorker | DrainWorkers | StopWorkers | Wait | Done | Stuck
+Action = StartWorker | PromoteWorkers | DrainWorkers | StopWorkers | Wait | Done | Stuck
 _ALIVE = (WorkerState.STARTING, WorkerState.STANDBY, WorkerState.SERVING, WorkerState.DRAINING, WorkerState.FAILED)
 
 
@@ -93,7 +101,8 @@ def next_action(target: Target, workers: list[PlannedWorker], spare_slots: list[
     alive = [w for w in workers if w.state in _ALIVE]
     new = [w for w in alive if w.epoch == target.epoch]
     old = [w for w in alive if w.epoch != target.epoch]
-    old_unready = [w for w in old if w.state in (WorkerState.STARTING, WorkerState.FAILED)]
+    # A standby of other weights is stopped too: the scaling plan starts one on the new weights afterwards.
+    old_unready = [w for w in old if w.state in (WorkerState.STARTING, WorkerState.FAILED, WorkerState.STANDBY)]
     if old_unready:
         return StopWorkers(tuple(w.worker_id for w in old_unready))
     if any(w.state in (WorkerState.STARTING, WorkerState.FAILED) for w in new):

@@ -30,6 +30,7 @@ from frontend.control_messages import (
     ControlHello,
     DrainTimeoutAction,
     RolloutCommand,
+    ScaleCommand,
     TenantsUpdate,
     WorkerSet,
 )
@@ -166,6 +167,9 @@ class Supervisor:
                 self._published_version = -1  # the whole set again, for a frontend that knows nothing
                 if self.config.tenants != self._initial_tenants:
                     self.control.send(TenantsUpdate(list(self.config.tenants)))
+            elif isinstance(message, ScaleCommand):
+                if message.model_name in self.pool.rollouts:
+                    self.pool.scale(message.model_name, message.serving, message.standby, message.reason)
             elif isinstance(message, RolloutCommand):
                 result = handle_rollout(self.pool, message)
                 log = self.log.warning if result.error else self.log.info

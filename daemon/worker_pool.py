@@ -22,6 +22,7 @@ from daemon.config import ModelSpec, ServeConfig
 from daemon.rollout_plan import (
     DrainWorkers,
     PlannedWorker,
+    PromoteWorkers,
     StartWorker,
     StopWorkers,
     Stuck,
@@ -29,6 +30,7 @@ from daemon.rollout_plan import (
     Wait,
     next_action,
 )
+from daemon.scaling_plan import next_scaling_action
 from frontend.control_messages import RolloutStatus, RolloutStrategy, WorkerInfo, WorkerState
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -57,11 +59,15 @@ class Worker:
     draining_since: float | None = None
     stop_sent: bool = False
     has_served: bool = False  # it got to its loop once: from then on, a restart is a crash restart
+    standby_when_warm: bool = False  # a pre-warmed standby: loaded and warm, but not routed until promoted
+    started_at: float = 0.0
+    warmup_seconds: float = 0.0  # from its start to its loop, measured (the autoscaler's horizon)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.spec.worker_id, self.model_name, self.slot.group, self.slot.devices,
                           self.spec.input_address, self.epoch, self.path, self.state,
-                          pid=self.child.pid or 0)  # fmt: skip
+                          pid=self.child.pid or 0, warmup_seconds=self.warmup_seconds,
+                          standby=self.standby_when_warm and self.state != WorkerState.SERVING)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -75,6 +81,7 @@ class Rollout:
     weights: str = ""  # what the files at `path` were when this target was set (weights_of)
     strategy: RolloutStrategy = RolloutStrategy.SURGE
     canary_percent: int = 0
+    standby_count: int = 0  # pre-warmed workers kept beside the serving ones (min_standby)
     history: list[tuple[int, str]] = field(default_factory=list)  # (epoch, path) of the targets before this one
     phase: str = "none"
     error: str = ""
@@ -101,7 +108,8 @@ class WorkerPool:
         for model in config.served_models():
             home = [slot for slot in self.slots if slot.owner == model.name]
             path = model.path or model.name
-            self.rollouts[model.name] = Rollout(model, target_count=len(home), path=path, weights=weights_of(path))
+            self.rollouts[model.name] = Rollout(model, target_count=len(home), path=path, weights=weights_of(path),
+                                                standby_count=config.autoscale.min_standby)  # fmt: skip
             for slot in home:
                 self._add_worker(model, slot, 0, path, configured=True)
 
@@ -146,7 +154,12 @@ class WorkerPool:
 
     def start_all(self) -> None:
         for worker in self.workers:
-            worker.child.start()
+            self._start(worker)
+
+    @staticmethod
+    def _start(worker: Worker) -> None:
+        worker.child.start()
+        worker.started_at = time.monotonic()
 
     def stop_all(self, timeout: float) -> None:
         for worker in self.workers:
@@ -164,6 +177,8 @@ class WorkerPool:
         for rollout in self.rollouts.values():
             if rollout.phase in ("rolling", "rolling-back", "canary"):
                 self._advance(rollout)
+            else:
+                self._scale(rollout)
 
     def _observe(self, worker: Worker, now: float) -> None:
         child = worker.child
@@ -177,8 +192,11 @@ class WorkerPool:
         code = child.poll()
         if code is None:
             if worker.state == WorkerState.STARTING and child.heartbeat_age(time.time()) is not None:
-                worker.state, worker.has_served = WorkerState.SERVING, True
-                self._changed("worker_serving", worker.model_name, worker=worker.spec.worker_id, epoch=worker.epoch)
+                worker.state = WorkerState.STANDBY if worker.standby_when_warm else WorkerState.SERVING
+                if not worker.has_served:
+                    worker.has_served, worker.warmup_seconds = True, round(now - worker.started_at, 3)
+                self._changed(f"worker_{worker.state}", worker.model_name, worker=worker.spec.worker_id,
+                              epoch=worker.epoch, warmup_s=worker.warmup_seconds)  # fmt: skip
             elif worker.state == WorkerState.DRAINING:
                 self._enforce_drain_timeout(worker, now)
             return
@@ -221,7 +239,7 @@ class WorkerPool:
         action = next_action(rollout.target(), planned, self.spare_slots(rollout.model.name, rollout.strategy))
         if isinstance(action, StartWorker):
             worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
-            worker.child.start()
+            self._start(worker)
             self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
                           path=rollout.path, devices=worker.slot.devices)  # fmt: skip
         elif isinstance(action, DrainWorkers):
@@ -241,6 +259,39 @@ class WorkerPool:
             if rollout.phase in settled:
                 rollout.phase = settled[rollout.phase]
                 self._changed(f"rollout_{rollout.phase}", rollout.model.name, epoch=rollout.epoch, path=rollout.path)
+
+    def _scale(self, rollout: Rollout) -> None:
+        """Between rollouts: the serving and standby counts the autoscaler (and min_standby) ask for."""
+        mine = [w for w in self.workers if w.model_name == rollout.model.name and w.epoch == rollout.epoch]
+        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index) for w in mine]
+        spare = self.spare_slots(rollout.model.name, RolloutStrategy.SURGE)
+        action = next_scaling_action(rollout.target_count, rollout.standby_count, planned, spare)
+        if isinstance(action, StartWorker):
+            worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
+            worker.standby_when_warm = action.standby
+            self._start(worker)
+            self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
+                          standby=action.standby, devices=worker.slot.devices)  # fmt: skip
+        elif isinstance(action, PromoteWorkers):
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                worker.state = WorkerState.SERVING
+                self._changed("worker_promoted", rollout.model.name, worker=worker.spec.worker_id)
+        elif isinstance(action, DrainWorkers):
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                worker.state, worker.draining_since = WorkerState.DRAINING, time.monotonic()
+                self._changed("worker_draining", rollout.model.name, worker=worker.spec.worker_id, epoch=worker.epoch)
+        elif isinstance(action, StopWorkers):
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                self._stop_unready(worker)
+
+    def scale(self, model_name: str, serving: int, standby: int, reason: str) -> None:
+        """The autoscaler's counts for a model; bounded by its groups, the spares included."""
+        rollout = self.rollouts[model_name]
+        serving = max(1, min(serving, len(self.slots)))
+        if (serving, standby) != (rollout.target_count, rollout.standby_count):
+            self._changed("scale", model_name, serving=serving, standby=standby, reason=reason,
+                          previous_serving=rollout.target_count)  # fmt: skip
+            rollout.target_count, rollout.standby_count = serving, standby
 
     def _stop_unready(self, worker: Worker) -> None:
         """A worker that serves nobody yet stops at once: it retires when it exits (now, if it is not running)."""

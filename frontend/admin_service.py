@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from frontend.autoscaler import Autoscaler
 from frontend.control_link import ControlLink, DaemonUnreachable
 from frontend.control_messages import RolloutCommand, RolloutStatus
 from frontend.lifecycle import Lifecycle
@@ -25,6 +26,7 @@ class AdminService(pb_grpc.AdminServicer):
         self._lifecycle = lifecycle
         self._ledger_path = ledger_path
         self.control: ControlLink | None = None  # None: no daemon (a frontend run alone) to roll out with
+        self.autoscaler: Autoscaler | None = None  # None: autoscaling is off
 
     async def GetUsage(self, request: pb.GetUsageRequest, context: grpc.aio.ServicerContext) -> pb.GetUsageResponse:
         def read() -> dict[str, dict[str, int]]:
@@ -41,10 +43,22 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.DrainResponse(in_flight=self._lifecycle.in_flight)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:
+        decisions = self.autoscaler.latest.items() if self.autoscaler is not None else ()
         return pb.GetLoadResponse(
             schedulers=[self._load_of(state) for state in self._link.schedulers],
             draining=self._lifecycle.draining,
             in_flight=self._lifecycle.in_flight,
+            autoscale=[
+                pb.AutoscaleDecision(
+                    model=model,
+                    desired_replicas=decision.desired,
+                    direction=decision.direction,
+                    reason=decision.reason,
+                    effective_ttft_seconds=snapshot.effective_ttft_s,
+                    queue_depth=snapshot.queue_depth,
+                )  # fmt: skip
+                for model, (decision, snapshot) in decisions
+            ],
         )
 
     async def Rollout(self, request: pb.RolloutRequest, context: grpc.aio.ServicerContext) -> pb.RolloutResponse:

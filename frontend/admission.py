@@ -365,6 +365,12 @@ class AdmissionController:
             queue.remove(ticket)
         self._update_depth()
 
+    def queue_of(self, model: str) -> tuple[int, float]:
+        """The model's requests waiting here for a slot, and how long the oldest of them has waited (seconds)."""
+        tickets = [t for tenants in self._pool(model).queues.values() for q in tenants.values() for t in q]
+        oldest = min((t.arrived for t in tickets), default=None)
+        return len(tickets), 0.0 if oldest is None else time.monotonic() - oldest
+
     def _num_queued(self, model: str) -> int:
         return sum(len(q) for tenants in self._pool(model).queues.values() for q in tenants.values())
 

@@ -19,6 +19,7 @@ from frontend.control_messages import (
     ControlHello,
     RolloutCommand,
     RolloutStatus,
+    ScaleCommand,
     TenantsUpdate,
     ToFrontend,
     WorkerSet,
@@ -64,6 +65,13 @@ class ControlLink:
         if self._task is not None:
             self._task.cancel()
         self._context.destroy(linger=0)
+
+    async def scale(self, model_name: str, serving: int, standby: int, reason: str) -> None:
+        """The autoscaler's decision, to the daemon (no answer: the next WorkerSet shows what it did)."""
+        try:
+            await self._outbox.send(self._codec.encode(ScaleCommand(model_name, serving, standby, reason)), zmq.NOBLOCK)
+        except zmq.Again:
+            self._log.warning("scale_command_dropped", model=model_name, detail="the daemon does not read its socket")
 
     async def rollout(self, command: RolloutCommand) -> CommandResult:
         """The daemon's answer; DaemonUnreachable if none comes in time."""

@@ -2,8 +2,8 @@
 
 The supervisor owns the worker set (which scheduler processes exist, on which weights, in which state); the
 frontend routes requests by it. The supervisor sends the whole set whenever it changes, and again whenever a
-frontend says hello, so a restarted frontend is never out of date; the frontend acknowledges each version once
-it has applied it (the supervisor waits for that before it counts a worker as draining). Operators' rollout
+frontend says hello, so a restarted frontend is never out of date. A worker the set calls draining is told so by
+the frontend itself, on the connection its requests travel, so no request can overtake it. Operators' rollout
 commands reach the frontend (Admin.Rollout) and go on to the supervisor, which answers each one.
 
 Each side binds a PULL socket in the daemon's private runtime directory and PUSHes to the other's. Every message
@@ -58,6 +58,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: WorkerState
     role: str = "mixed"
     pid: int = 0
+    warmup_seconds: float = 0.0  # from its start to its loop; 0 until it got there
+    standby: bool = False  # started as a pre-warmed standby: once warm it waits unrouted until promoted
 
 
 class RolloutStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -106,10 +108,6 @@ class ControlHello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fiel
     frontend_id: str
 
 
-class WorkerSetApplied(msgspec.Struct, frozen=True, tag="applied", forbid_unknown_fields=True):
-    version: int
-
-
 class RolloutCommand(msgspec.Struct, frozen=True, tag="rollout", forbid_unknown_fields=True):
     command_id: str
     model_name: str
@@ -119,7 +117,16 @@ class RolloutCommand(msgspec.Struct, frozen=True, tag="rollout", forbid_unknown_
     rollback: bool = False  # back to the weights before the latest rollout
 
 
-ToDaemon = ControlHello | WorkerSetApplied | RolloutCommand
+class ScaleCommand(msgspec.Struct, frozen=True, tag="scale", forbid_unknown_fields=True):
+    """The autoscaler's decision for a model: this many serving workers and pre-warmed standbys."""
+
+    model_name: str
+    serving: int
+    standby: int
+    reason: str
+
+
+ToDaemon = ControlHello | RolloutCommand | ScaleCommand
 
 
 class Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

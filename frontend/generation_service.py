@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 import msgspec
@@ -72,6 +73,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._record_ids: dict[tuple[str, str], str] = {}
         self._phases: dict[str, RequestPhases] = {}  # record id -> its timings, from its dispatch to its end
         self._migrations: dict[str, Migration] = {}  # record id -> what moving it to another worker takes
+        # (model, arrival, prompt tokens, completion tokens) of each finished request: the autoscaler's forecast
+        self.on_finished: Callable[[str, float, int, int], None] = lambda model, arrived, prompt, completion: None
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrived = time.monotonic()
@@ -209,6 +212,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 last = builder.last_delta
                 self._metrics.observe_finished(builder.model_name, phases, last.num_prompt_tokens,
                                                last.num_output_tokens)  # fmt: skip
+                self.on_finished(builder.model_name, arrived, last.num_prompt_tokens, last.num_output_tokens)
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
                 reason = builder.finish_reason
                 chunk.migrated = migration is not None and migration.moved

@@ -120,6 +120,21 @@ class FrontendMetrics:
         )
         self.iteration_tokens = IterationTokens()
         r.register(self.iteration_tokens)
+        # The autoscaler's decision, for an HPA or KEDA to act on across machines (on one box the daemon acts).
+        self.desired_replicas = Gauge(
+            "tokend:desired_replicas", "Serving workers the autoscaler wants", ["model_name", "role"], registry=r
+        )
+        self.autoscaler_decisions = Counter(
+            "tokend:autoscaler_decisions", "Autoscaler changes by direction and reason", ["direction", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self.worker_warmup_seconds = Histogram(
+            "tokend:worker_warmup_seconds",
+            "A worker's start to its first serving loop (load and warm-up), measured",
+            ["model_name"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+            registry=r,
+        )
         tenant = ["tenant", "model_name"]
         # Tenant names and their usage are for the operator: served only when asked for (tenant_metrics), else
         # counted in a registry nobody serves.

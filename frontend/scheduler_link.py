@@ -66,6 +66,8 @@ class SchedulerState:
     # Its place in the daemon's worker set (frontend.control_messages): only SERVING workers get new requests.
     worker_state: WorkerState = WorkerState.SERVING
     epoch: int = 0
+    warmup_seconds: float = 0.0
+    standby: bool = False  # a pre-warmed standby (or one starting): not routed until promoted
     socket: zmq.asyncio.Socket | None = None
     ready: SchedulerReady | None = None  # None while down or starting
     load: LoadReport | None = None
@@ -254,6 +256,7 @@ class SchedulerLink:
                 if state.is_ready:
                     self._send(state, DrainWorker(message.drain_timeout_s, str(message.on_drain_timeout)))
             state.worker_state, state.epoch = info.state, info.epoch
+            state.warmup_seconds, state.standby = info.warmup_seconds, info.standby
         for state in [s for s in self.schedulers if s.address.worker_id not in listed]:
             self._retire(state)
         self._on_change()

@@ -12,6 +12,7 @@ from common.listening import mark_listening
 from frontend.admin_service import AdminService
 from frontend.admission import AdmissionController
 from frontend.auth_interceptor import AuthInterceptor
+from frontend.autoscaler import Autoscaler
 from frontend.control_link import ControlLink
 from frontend.error_interceptor import ErrorInterceptor
 from frontend.generation_service import GenerationService
@@ -71,9 +72,8 @@ async def serve(spec: FrontendSpec, log) -> None:
             ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
         ],
     )
-    pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log), server
-    )
+    generation = GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log)
+    pb_grpc.add_GenerationServicer_to_server(generation, server)
     admin = AdminService(link, lifecycle, ledger.path)
     pb_grpc.add_AdminServicer_to_server(admin, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -96,6 +96,16 @@ async def serve(spec: FrontendSpec, log) -> None:
         control.on_tenants = lambda tenants: apply_tenants(tenants, authenticator, admission, log)
         await control.start()
     admin.control = control
+    autoscaling = None
+    if control is not None and spec.autoscale.enabled:
+        autoscaler = admin.autoscaler = Autoscaler(spec, link, admission, control, metrics, log)
+        inputs = autoscaler.inputs
+        generation.on_finished = inputs.request_finished
+        link.on_load = lambda state, report: (
+            metrics.observe_load(state.address.model_name, state.address.group, report),
+            inputs.load_reported(state.address.model_name, state.address.worker_id, report),
+        )
+        autoscaling = asyncio.create_task(autoscaler.run_forever(), name="autoscaler")
     await server.start()
     checkpoints = asyncio.create_task(meter.checkpoint_forever(), name="usage-checkpoints")
     if spec.metrics_port is not None:
@@ -124,6 +134,8 @@ async def serve(spec: FrontendSpec, log) -> None:
     await server.stop(grace=2.0)
     await asyncio.sleep(0.5)  # aborted requests' final counts arrive and are metered
     checkpoints.cancel()
+    if autoscaling is not None:
+        autoscaling.cancel()
     admission.close()
     tokenize.close()
     if control is not None:

@@ -60,6 +60,45 @@ class AdmissionSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(f"max_queued_requests: must be an integer >= 1, got {value!r}")
 
 
+class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The autoscaler (common.autoscale_policy), run by the frontend on its queues and the workers' load reports;
+    the daemon starts and drains the workers it asks for. The field names are `tokend serve`'s config keys."""
+
+    autoscale_max_workers: Annotated[
+        int, _doc("serving workers per model at most (spare_devices give the groups); 0 turns the autoscaler off")
+    ] = 0
+    autoscale_min_workers: Annotated[int, _doc("serving workers per model at least")] = 1
+    min_standby: Annotated[
+        int, _doc("workers per model kept loaded and warm but not routed: a scale-up promotes one at once")
+    ] = 0
+    autoscale_ttft_fraction: Annotated[
+        float, _doc("scale up when projected TTFT plus queue wait would pass this share of interactive_ttft_target")
+    ] = 0.8
+    autoscale_scale_down_delay: Annotated[
+        float, _doc("seconds the load must stay quiet before one serving worker drains")
+    ] = 60.0
+
+    def __post_init__(self) -> None:
+        for key in ("autoscale_max_workers", "min_standby"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{key}: must be an integer >= 0, got {value!r}")
+        if not (isinstance(self.autoscale_min_workers, int) and self.autoscale_min_workers >= 1):
+            raise ValueError(f"autoscale_min_workers: must be an integer >= 1, got {self.autoscale_min_workers!r}")
+        if self.autoscale_max_workers and self.autoscale_max_workers < self.autoscale_min_workers:
+            raise ValueError(f"autoscale_max_workers: {self.autoscale_max_workers} is below autoscale_min_workers "
+                             f"({self.autoscale_min_workers})")  # fmt: skip
+        if not 0 < self.autoscale_ttft_fraction <= 1:
+            raise ValueError(f"autoscale_ttft_fraction: must be in (0, 1], got {self.autoscale_ttft_fraction!r}")
+        delay = self.autoscale_scale_down_delay
+        if not delay >= 0:
+            raise ValueError(f"autoscale_scale_down_delay: must be seconds >= 0, got {delay!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.autoscale_max_workers > 0
+
+
 METRICS_SOCKET_FILE = "metrics.sock"  # in the daemon's runtime directory: FrontendSpec.metrics_socket
 
 
@@ -81,6 +120,7 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state_dir: str = "."  # where the usage ledger lives
     aliases: dict[str, str] = {}  # another name of a model -> its name
     admission: AdmissionSpec = AdmissionSpec()
+    autoscale: AutoscaleSpec = AutoscaleSpec()
     host: str = "127.0.0.1"  # where the gRPC and metrics listeners bind
     tenant_metrics: bool = False  # per-tenant series on /metrics (tenant names and usage)
     metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none

@@ -32,13 +32,13 @@ from frontend.control_messages import (
     RolloutCommand,
     RolloutStatus,
     RolloutStrategy,
+    ScaleCommand,
     Signed,
     TenantsUpdate,
     ToDaemon,
     ToFrontend,
     WorkerInfo,
     WorkerSet,
-    WorkerSetApplied,
     WorkerState,
 )
 from frontend.spec import TenantSpec
@@ -66,7 +66,7 @@ def worker_set(version: int = 3) -> WorkerSet:
 
 TO_DAEMON = [
     ControlHello("frontend-1"),
-    WorkerSetApplied(3),
+    ScaleCommand("m", 2, 1, "ttft"),
     RolloutCommand("c1", "m", "/weights/v2", strategy="in-place", canary_percent=10),
     RolloutCommand("c2", "m", "", rollback=True),
 ]

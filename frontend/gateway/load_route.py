@@ -63,4 +63,15 @@ def load_body(reply: pb.GetLoadResponse) -> dict:
             }
             for s in reply.schedulers
         ],
+        "autoscale": [
+            {
+                "model": a.model,
+                "desired_replicas": a.desired_replicas,
+                "direction": a.direction,
+                "reason": a.reason,
+                "effective_ttft_seconds": a.effective_ttft_seconds,
+                "queue_depth": a.queue_depth,
+            }
+            for a in reply.autoscale
+        ],
     }

@@ -115,6 +115,7 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     # --chat-template, absolute; None: the checkpoint's own template (the frontend renders chats).
     chat_template: str | None = None
     generation: str = ""  # the weights it serves (common.generation): named in every chunk and ledger row
+    max_num_batched_tokens: int = 0  # a step's token budget (the autoscaler's capacity model reads it)
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):

@@ -232,6 +232,7 @@ class SchedulerLoop:
             sampling_defaults=engine.sampling_defaults,
             chat_template=engine.chat_template,
             generation=engine.generation,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
         )
 
     def _report_when_due(self, force: bool = False) -> None:

@@ -1,0 +1,292 @@
+"""The autoscaler's policy as pure functions over load snapshots: no I/O, no torch, no clocks of its own.
+
+Two loops decide how many workers serve one model:
+  - the fast loop, `decide`, about once a second, watches leading indicators: the best serving worker's effective
+    time to first token (its projected TTFT plus the frontend's queue wait) and the frontend's queue depth against
+    the free slots of the serving workers. It scales up at once when either passes its bound, and down by one
+    worker only after the load has stayed quiet for `scale_down_delay_s`. One action is in flight at a time.
+  - the slow loop, `forecast_floor`, every few seconds, forecasts the arrival rate and the prompt/output lengths
+    over a horizon equal to the measured warm-up time, and turns them into a worker floor with the engine's own
+    step-time model, so that workers are started before the load that needs them arrives.
+
+`Decision.desired` counts workers serving or starting toward serving; standbys (loaded, warm, not routed) are kept
+apart by the actuator, which promotes one when `desired` grows (a routing flip) and starts a new standby behind it.
+Reasons are short snake_case words, fit for a Prometheus label: up for `ttft`, `queue`, `forecast` (the slow
+loop's floor) or `floor` (min_workers); down for `quiet` or `ceiling` (max_workers lowered); hold for `steady`,
+`quiet_wait` (quiet, the delay not yet passed), `starting` (an action in flight), `cooldown` (a change just made),
+`ceiling`, `floor` or `forecast`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Direction = Literal["up", "down", "hold"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """One serving worker as its scheduler reports it."""
+
+    projected_ttft_s: float  # what a request routed here now would wait for its first token
+    num_running: int
+    num_waiting: int  # routed here, not yet running
+    max_num_seqs: int
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_num_seqs - self.num_running - self.num_waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """One model's load at `now`: its serving workers and the frontend's queue for it."""
+
+    now: float
+    workers: list[WorkerSnapshot]
+    queue_depth: int  # requests the frontend holds, routed to no worker yet
+    queue_wait_s: float  # how long the oldest of them has waited
+    ttft_target_s: float
+    num_standby: int = 0
+    num_starting: int = 0  # workers starting toward serving (not standbys being replenished)
+
+    @property
+    def effective_ttft_s(self) -> float:
+        """The best serving worker's projected TTFT plus the queue wait; infinite when none serves."""
+        if not self.workers:
+            return math.inf
+        return min(w.projected_ttft_s for w in self.workers) + self.queue_wait_s
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalePolicy:
+    max_workers: int
+    ttft_fraction: float = 0.8  # scale up when the effective TTFT passes this fraction of the target
+    quiet_fraction: float = 0.4  # the load is quiet while the effective TTFT stays under this fraction
+    min_workers: int = 1
+    min_standby: int = 0
+    scale_down_delay_s: float = 60.0
+    scale_up_cooldown_s: float = 5.0  # after a change, let it show in the indicators before adding again
+    forecast_window_s: float = 30.0  # the slow loop's bucket width for arrival rates
+    forecast_history_s: float = 300.0  # how far back the slow loop looks
+    forecast_headroom: float = 0.8  # plan workers to run at this fraction of their throughput
+
+    def __post_init__(self) -> None:
+        _require(self.max_workers >= 1, "max_workers", self.max_workers, "must be >= 1")
+        _require(self.min_workers >= 0, "min_workers", self.min_workers, "must be >= 0")
+        _require(self.min_workers <= self.max_workers, "min_workers", self.min_workers, "must be <= max_workers")
+        _require(self.min_standby >= 0, "min_standby", self.min_standby, "must be >= 0")
+        _require(0 < self.ttft_fraction <= 1, "ttft_fraction", self.ttft_fraction, "must be in (0, 1]")
+        _require(0 < self.quiet_fraction < self.ttft_fraction, "quiet_fraction", self.quiet_fraction,
+                 "must be in (0, ttft_fraction)")  # fmt: skip
+        _require(self.scale_down_delay_s >= 0, "scale_down_delay_s", self.scale_down_delay_s, "must be >= 0")
+        _require(self.scale_up_cooldown_s >= 0, "scale_up_cooldown_s", self.scale_up_cooldown_s, "must be >= 0")
+        _require(self.forecast_window_s > 0, "forecast_window_s", self.forecast_window_s, "must be > 0")
+        _require(self.forecast_history_s >= 2 * self.forecast_window_s, "forecast_history_s",
+                 self.forecast_history_s, "must be >= 2 * forecast_window_s")  # fmt: skip
+        _require(0 < self.forecast_headroom <= 1, "forecast_headroom", self.forecast_headroom, "must be in (0, 1]")
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {rule}, got {value!r}")
+
+
+@dataclass(slots=True)
+class AutoscaleState:
+    """What the fast loop remembers between ticks."""
+
+    quiet_since: float | None = None
+    last_change_at: float = -math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int  # workers serving or starting toward serving
+    direction: Direction
+    reason: str
+
+
+def decide(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, floor: int = 0) -> Decision:
+    """The fast loop: one decision for one model; `floor` is the slow loop's forecast floor."""
+    current = len(snapshot.workers) + snapshot.num_starting
+    decision = _fast(snapshot, policy, state, current)
+    lower = max(policy.min_workers, min(floor, policy.max_workers))
+    if decision.desired < lower:
+        reason = "forecast" if floor > policy.min_workers else "floor"
+        decision = Decision(lower, "up" if lower > current else "hold", reason)
+    if decision.desired != current:
+        state.last_change_at = snapshot.now
+        state.quiet_since = None
+    return decision
+
+
+def _fast(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, current: int) -> Decision:
+    if current > policy.max_workers:  # the ceiling was lowered under us
+        return Decision(policy.max_workers, "down", "ceiling")
+    target = snapshot.ttft_target_s
+    effective = snapshot.effective_ttft_s
+    free = sum(w.free_slots for w in snapshot.workers)
+    over_ttft = effective > policy.ttft_fraction * target
+    over_queue = snapshot.queue_depth > free
+    if over_ttft or over_queue:
+        state.quiet_since = None
+        reason = "ttft" if over_ttft else "queue"
+        if current >= policy.max_workers:
+            return Decision(current, "hold", "ceiling")
+        if snapshot.num_starting > 0:
+            return Decision(current, "hold", "starting")  # one action in flight
+        if snapshot.now - state.last_change_at < policy.scale_up_cooldown_s:
+            return Decision(current, "hold", "cooldown")
+        return Decision(min(policy.max_workers, current + _workers_short(snapshot, policy)), "up", reason)
+    if not _quiet(snapshot, policy, effective):
+        state.quiet_since = None
+        return Decision(current, "hold", "steady")
+    if state.quiet_since is None:
+        state.quiet_since = snapshot.now
+    if current <= policy.min_workers:
+        return Decision(current, "hold", "floor")
+    if snapshot.num_starting > 0:
+        return Decision(current, "hold", "starting")
+    if snapshot.now - state.quiet_since < policy.scale_down_delay_s:
+        return Decision(current, "hold", "quiet_wait")
+    return Decision(current - 1, "down", "quiet")
+
+
+def _workers_short(snapshot: LoadSnapshot, policy: AutoscalePolicy) -> int:
+    """How many workers to add at once: one for a TTFT overshoot (the forecast floor sizes sustained load), or as
+    many as would hold the queue beyond the free slots."""
+    slots = max((w.max_num_seqs for w in snapshot.workers), default=1)
+    free = sum(w.free_slots for w in snapshot.workers)
+    return max(1, math.ceil(max(0, snapshot.queue_depth - free) / slots))
+
+
+def _quiet(snapshot: LoadSnapshot, policy: AutoscalePolicy, effective: float) -> bool:
+    """Quiet: TTFT well under target, nothing queued, and one worker fewer could hold what runs now."""
+    if snapshot.queue_depth or effective > policy.quiet_fraction * snapshot.ttft_target_s:
+        return False
+    in_flight = sum(w.num_running + w.num_waiting for w in snapshot.workers)
+    slots = sorted(w.max_num_seqs for w in snapshot.workers)
+    return in_flight <= sum(slots[:-1])  # the smallest workers stay
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    """A step's milliseconds as base_ms + per_token_ms * tokens computed in the step."""
+
+    base_ms: float
+    per_token_ms: float
+
+    def step_ms(self, tokens: int) -> float:
+        return self.base_ms + self.per_token_ms * tokens
+
+
+def fit_step_model(samples: list[tuple[int, float]], skip_first: int = 0) -> StepTimeModel:
+    """Least squares over (tokens in step, step ms) samples, the first `skip_first` (cold-start steps: allocator
+    warm-up, kernel compilation) left out so that they do not inflate the costs."""
+    kept = samples[skip_first:]
+    if len(kept) < 2:
+        raise ValueError(f"samples: need >= 2 after skip_first={skip_first}, got {len(kept)}")
+    n = len(kept)
+    mean_x = sum(t for t, _ in kept) / n
+    mean_y = sum(ms for _, ms in kept) / n
+    sxx = sum((t - mean_x) ** 2 for t, _ in kept)
+    if sxx == 0:
+        raise ValueError("samples: every step computed the same number of tokens; the slope is undetermined")
+    slope = sum((t - mean_x) * (ms - mean_y) for t, ms in kept) / sxx
+    slope = max(0.0, slope)  # a cost cannot be negative: that is noise
+    return StepTimeModel(base_ms=max(0.0, mean_y - slope * mean_x), per_token_ms=slope)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCapacity:
+    requests_per_s: float
+    depth: int  # running sequences at which it is reached
+    ttft_s: float  # the prefill time of a mean prompt at that depth
+
+
+def worker_capacity(
+    step_model: StepTimeModel,
+    prompt_tokens: float,
+    output_tokens: float,
+    ttft_target_s: float,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> WorkerCapacity:
+    """A worker's request throughput at the batch depth that keeps a mean prompt's prefill under the TTFT target.
+
+    At depth d (sequences decoding) each step computes d decode tokens plus the prefill that keeps pace with them,
+    d * prompt / output tokens, up to the token budget; requests then finish at (step tokens - d) / prompt per step.
+    A new prompt's prefill shares full-budget steps with the d decodes: ceil(prompt / (budget - d)) of them.
+    """
+    budget = max_num_batched_tokens
+    prompt, output = max(1.0, prompt_tokens), max(1.0, output_tokens)
+    full_step_s = step_model.step_ms(budget) / 1e3
+    best = WorkerCapacity(0.0, 0, math.inf)
+    for depth in range(1, min(max_num_seqs, budget - 1) + 1):
+        ttft = math.ceil(prompt / (budget - depth)) * full_step_s
+        if ttft > ttft_target_s and best.depth:
+            break
+        tokens = min(budget, depth * (1 + prompt / output))
+        rate = (tokens - depth) / prompt / (step_model.step_ms(round(tokens)) / 1e3)
+        if rate > best.requests_per_s:
+            best = WorkerCapacity(rate, depth, ttft)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    rate: float  # requests per second expected at the horizon
+    prompt_tokens: float
+    output_tokens: float
+
+
+def forecast_load(
+    arrivals: list[tuple[float, int, int]], now: float, horizon_s: float, policy: AutoscalePolicy
+) -> Forecast:
+    """A linear trend over the arrival rate of recent windows, extrapolated to now + horizon but never further ahead
+    than the history it was fitted on, and never below the last window's rate (so a falling trend does not release
+    workers before the fast loop sees the load quiet)."""
+    width = policy.forecast_window_s
+    count = int(policy.forecast_history_s // width)
+    recent = [a for a in arrivals if now - count * width <= a[0] <= now]
+    if not recent:
+        return Forecast(0.0, 0.0, 0.0)
+    rates = [0.0] * count
+    for t, _, _ in recent:
+        rates[min(count - 1, int((t - (now - count * width)) // width))] += 1 / width
+    xs = [now - (count - i - 0.5) * width for i in range(count)]  # window midpoints
+    mean_x, mean_y = sum(xs) / count, sum(rates) / count
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, rates, strict=True))
+    slope /= sum((x - mean_x) ** 2 for x in xs)
+    trend = mean_y + slope * (now + min(horizon_s, policy.forecast_history_s) - mean_x)
+    prompt = sum(a[1] for a in recent) / len(recent)
+    output = sum(a[2] for a in recent) / len(recent)
+    return Forecast(max(trend, rates[-1], 0.0), prompt, output)
+
+
+def forecast_floor(
+    arrivals: list[tuple[float, int, int]],
+    now: float,
+    horizon_s: float,
+    step_model: StepTimeModel,
+    policy: AutoscalePolicy,
+    *,
+    ttft_target_s: float,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """The slow loop: the workers the forecast load needs at now + horizon (the measured warm-up time), within
+    [min_workers, max_workers]. `arrivals` are (time, prompt_tokens, output_tokens)."""
+    forecast = forecast_load(arrivals, now, horizon_s, policy)
+    if forecast.rate <= 0:
+        return policy.min_workers
+    target = policy.ttft_fraction * ttft_target_s
+    capacity = worker_capacity(step_model, forecast.prompt_tokens, forecast.output_tokens, target, max_num_seqs,
+                               max_num_batched_tokens)  # fmt: skip
+    if capacity.requests_per_s <= 0:
+        return policy.max_workers
+    needed = math.ceil(forecast.rate / (capacity.requests_per_s * policy.forecast_headroom))
+    return max(policy.min_workers, min(policy.max_workers, needed))

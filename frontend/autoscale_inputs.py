@@ -1,0 +1,62 @@
+"""What the autoscaler's slow loop learns from: each model's recent arrivals (their prompt and output sizes), and
+its workers' step times, as (tokens per step, milliseconds per step) samples taken from consecutive load reports.
+
+A load report carries cumulative counts (steps by size, tokens, mean step time), so the difference between two
+reports is the mean step of the steps between them: one sample per report, whatever the step rate.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from common.autoscale_policy import StepTimeModel, fit_step_model
+from gpu_runtime.ipc.messages import LoadReport
+
+_SAMPLES_KEPT = 512
+_COLD_STEPS = 4  # a worker's first samples (warm-up, first allocations) are left out of the fit
+_MIN_SAMPLES = 8
+
+
+class AutoscaleInputs:
+    def __init__(self, history_s: float):
+        self._history_s = history_s
+        self._arrivals: dict[str, collections.deque[tuple[float, int, int]]] = {}
+        self._samples: dict[str, collections.deque[tuple[int, float]]] = {}
+        self._previous: dict[str, LoadReport] = {}  # worker id -> its latest report
+        self._seen: collections.Counter[str] = collections.Counter()  # worker id -> samples taken from it
+
+    def request_finished(self, model: str, arrived: float, prompt_tokens: int, output_tokens: int) -> None:
+        arrivals = self._arrivals.setdefault(model, collections.deque())
+        arrivals.append((arrived, prompt_tokens, output_tokens))
+        while arrivals and arrivals[0][0] < arrived - self._history_s:
+            arrivals.popleft()
+
+    def arrivals(self, model: str) -> list[tuple[float, int, int]]:
+        return sorted(self._arrivals.get(model, ()))
+
+    def load_reported(self, model: str, worker_id: str, report: LoadReport) -> None:
+        previous = self._previous.get(worker_id)
+        self._previous[worker_id] = report
+        if previous is None or previous.incarnation != report.incarnation:
+            return
+        steps = sum(report.iteration_token_counts) - sum(previous.iteration_token_counts)
+        if steps <= 0:
+            return
+        milliseconds = report.mean_step_ms * sum(report.iteration_token_counts) - previous.mean_step_ms * sum(
+            previous.iteration_token_counts
+        )
+        tokens = report.iteration_tokens_sum - previous.iteration_tokens_sum
+        self._seen[worker_id] += 1
+        if self._seen[worker_id] > _COLD_STEPS and milliseconds > 0:
+            samples = self._samples.setdefault(model, collections.deque(maxlen=_SAMPLES_KEPT))
+            samples.append((round(tokens / steps), milliseconds / steps))
+
+    def step_model(self, model: str) -> StepTimeModel | None:
+        """The fitted step-time model, or None until there are enough samples of different step sizes."""
+        samples = list(self._samples.get(model, ()))
+        if len(samples) < _MIN_SAMPLES:
+            return None
+        try:
+            return fit_step_model(samples)
+        except ValueError:  # every step the same size: no slope yet
+            return None

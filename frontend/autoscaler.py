@@ -1,0 +1,117 @@
+"""The autoscaler's loop in the frontend: once a tick, each model's load (the workers' reports, this frontend's
+queue) goes through common.autoscale_policy, and a changed decision goes to the daemon, which starts, promotes or
+drains workers. The decision is also `tokend:desired_replicas`, for an HPA or KEDA across machines.
+
+The frontend runs it because it holds the leading indicators: the queue a request waits in before any worker sees
+it, and every worker's projected time to first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from common.autoscale_policy import (
+    AutoscalePolicy,
+    AutoscaleState,
+    Decision,
+    LoadSnapshot,
+    WorkerSnapshot,
+    decide,
+    forecast_floor,
+)
+from frontend.admission import AdmissionController
+from frontend.autoscale_inputs import AutoscaleInputs
+from frontend.control_link import ControlLink
+from frontend.control_messages import WorkerState
+from frontend.metrics import FrontendMetrics
+from frontend.scheduler_link import SchedulerLink
+from frontend.spec import FrontendSpec
+
+TICK_S = 1.0
+_DEFAULT_WARMUP_S = 30.0  # the forecast's horizon until a worker's warm-up has been measured
+
+
+class Autoscaler:
+    def __init__(self, spec: FrontendSpec, link: SchedulerLink, admission: AdmissionController,
+                 control: ControlLink, metrics: FrontendMetrics, log):  # fmt: skip
+        settings = spec.autoscale
+        self._policy = AutoscalePolicy(
+            max_workers=settings.autoscale_max_workers,
+            min_workers=settings.autoscale_min_workers,
+            min_standby=settings.min_standby,
+            ttft_fraction=settings.autoscale_ttft_fraction,
+            scale_down_delay_s=settings.autoscale_scale_down_delay,
+        )
+        self._ttft_target_s = spec.admission.interactive_ttft_target
+        self._link = link
+        self._admission = admission
+        self._control = control
+        self._metrics = metrics
+        self._log = log
+        self._states: dict[str, AutoscaleState] = {}
+        self._sent: dict[str, int] = {}  # model -> the serving count last asked of the daemon
+        self._warmups_seen: set[str] = set()  # workers whose warm-up time is in the histogram
+        self.latest: dict[str, tuple[Decision, LoadSnapshot]] = {}  # model -> its latest decision (Admin.GetLoad)
+        self.inputs = AutoscaleInputs(self._policy.forecast_history_s)
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            for model in dict.fromkeys(s.address.model_name for s in self._link.schedulers):
+                try:
+                    await self._tick(model)
+                except Exception as error:  # one bad tick must not stop scaling for good
+                    self._log.error("autoscaler_failed", model=model, error=repr(error), exc_info=True)
+
+    async def _tick(self, model: str) -> None:
+        workers = [s for s in self._link.schedulers if s.address.model_name == model]
+        for state in workers:
+            if state.warmup_seconds and state.address.worker_id not in self._warmups_seen:
+                self._warmups_seen.add(state.address.worker_id)
+                self._metrics.worker_warmup_seconds.labels(model).observe(state.warmup_seconds)
+        if self._link.expects_capacity(model):
+            return  # a rollout is replacing the workers: it decides alone until it is done
+        depth, oldest_wait_s = self._admission.queue_of(model)
+        snapshot = LoadSnapshot(
+            now=time.monotonic(),
+            workers=[
+                WorkerSnapshot(
+                    s.load.projected_ttft_seconds, s.load.num_running, s.load.num_waiting, s.ready.max_num_seqs
+                )  # fmt: skip
+                for s in self._link.ready_schedulers(model)
+                if s.load is not None
+            ],
+            queue_depth=depth,
+            queue_wait_s=oldest_wait_s,
+            ttft_target_s=self._ttft_target_s,
+            num_standby=sum(s.worker_state == WorkerState.STANDBY for s in workers),
+            num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in workers),
+        )
+        floor = self._forecast_floor(model, snapshot.now)
+        decision = decide(snapshot, self._policy, self._states.setdefault(model, AutoscaleState()), floor)
+        self.latest[model] = (decision, snapshot)
+        self._metrics.desired_replicas.labels(model, "mixed").set(decision.desired)
+        if decision.desired == self._sent.get(model):
+            return
+        if decision.direction != "hold":
+            self._metrics.autoscaler_decisions.labels(decision.direction, decision.reason).inc()
+        self._log.info("autoscale", model=model, desired=decision.desired, direction=decision.direction,
+                       reason=decision.reason, queue_depth=depth, queue_wait_s=round(oldest_wait_s, 3),
+                       effective_ttft_s=round(snapshot.effective_ttft_s, 3))  # fmt: skip
+        self._sent[model] = decision.desired
+        await self._control.scale(model, decision.desired, self._policy.min_standby, decision.reason)
+
+    def _forecast_floor(self, model: str, now: float) -> int:
+        """The slow loop: the workers the forecast arrivals need by the time a worker started now would serve (the
+        model's measured warm-up), by the fitted step-time model; 0 until there is a model to fit."""
+        step_model = self.inputs.step_model(model)
+        ready = [s.ready for s in self._link.ready_schedulers(model)]
+        if step_model is None or not ready:
+            return 0
+        warmups = [s.warmup_seconds for s in self._link.schedulers if s.address.model_name == model]
+        horizon_s = max(warmups, default=0.0) or _DEFAULT_WARMUP_S
+        budget = ready[0].max_num_batched_tokens or ready[0].max_num_seqs
+        return forecast_floor(self.inputs.arrivals(model), now, horizon_s, step_model, self._policy,
+                              ttft_target_s=self._ttft_target_s, max_num_seqs=ready[0].max_num_seqs,
+                              max_num_batched_tokens=budget)  # fmt: skip

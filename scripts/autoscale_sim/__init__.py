@@ -1,0 +1,1 @@
+"""The autoscaling simulator behind scripts/sim_autoscale.py."""

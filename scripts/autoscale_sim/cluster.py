@@ -1,0 +1,210 @@
+"""A discrete-time cluster of workers doing continuous batching, fed by a frontend queue.
+
+Each worker steps back to back while it has work: a step computes one token for every decoding sequence and then
+prefill chunks (first come, first served) up to the token budget, and takes base_ms + per_token_ms * tokens. A
+request's first token comes at the end of the step that finishes its prefill, so its TTFT is the frontend queue
+wait plus its prefill. A worker takes a request from the frontend queue (the oldest) when it has a free slot and
+its unfinished prefill fits in one step: the router sends work where it can start now, as a least-loaded router.
+
+Workers are starting (loading, billed, not serving), standby (warm, billed, not routed), serving, or draining
+(billed, taking no new work, retired when empty). The control loop runs every `tick_s` at tick boundaries.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.autoscale_policy import StepTimeModel, WorkerSnapshot
+
+
+@dataclass(slots=True)
+class Request:
+    arrival: float
+    prompt: int
+    output: int
+    prefill_left: int = 0
+    first_token_at: float | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    started_at: float
+    ready_at: float
+    standby: bool = False
+    draining: bool = False
+    clock: float = 0.0  # when its next step may start
+    prefilling: deque = field(default_factory=deque)
+    decode_ends: list = field(default_factory=list)  # heap of the decode-step index each decoding request ends at
+    decode_steps: int = 0
+    busy_s: float = 0.0  # stepping time since the last control tick
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decode_ends)
+
+    @property
+    def prefill_backlog(self) -> int:
+        return sum(r.prefill_left for r in self.prefilling)
+
+
+class Cluster:
+    def __init__(self, model: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int, warmup_s: float):
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.warmup_s = warmup_s
+        self.workers: list[Worker] = []
+        self.queue: deque[Request] = deque()
+        self.ttfts: list[tuple[float, float]] = []  # (first token time, ttft) in the order they came
+        self.retired_worker_seconds = 0.0
+
+    # ----- membership -----
+    def add_warm(self, now: float, standby: bool = False) -> None:
+        self.workers.append(Worker(started_at=now, ready_at=now, standby=standby, clock=now))
+
+    def start(self, now: float, standby: bool = False) -> None:
+        self.workers.append(Worker(started_at=now, ready_at=now + self.warmup_s, standby=standby, clock=now))
+
+    def serving(self, now: float) -> list[Worker]:
+        return [w for w in self.workers if w.ready_at <= now and not w.standby and not w.draining]
+
+    def starting(self, now: float, standby: bool) -> list[Worker]:
+        return [w for w in self.workers if w.ready_at > now and w.standby == standby and not w.draining]
+
+    def standbys(self, now: float) -> list[Worker]:
+        return [w for w in self.workers if w.ready_at <= now and w.standby]
+
+    def billed(self) -> int:
+        return len(self.workers)
+
+    def reconcile(self, now: float, desired: int, min_standby: int) -> None:
+        """Move toward `desired` workers serving or starting toward serving: promote standbys first (a routing
+        flip), then start cold ones; going down, cancel the newest start, else drain the least busy server. Then
+        keep `min_standby` standbys warm or warming."""
+        current = len(self.serving(now)) + len(self.starting(now, standby=False))
+        while current < desired:
+            ready = self.standbys(now) or self.starting(now, standby=True)
+            if ready:
+                ready[0].standby = False
+            else:
+                self.start(now)
+            current += 1
+        while current > desired:
+            cold = self.starting(now, standby=False)
+            if cold:
+                self._retire(cold[-1], now)
+            else:
+                victim = min(self.serving(now), key=lambda w: w.running)
+                victim.draining = True
+                if not victim.running:
+                    self._retire(victim, now)
+            current -= 1
+        for _ in range(min_standby - len([w for w in self.workers if w.standby])):
+            self.start(now, standby=True)
+
+    def _retire(self, worker: Worker, now: float) -> None:
+        self.retired_worker_seconds += now - worker.started_at
+        self.workers.remove(worker)
+
+    def worker_seconds(self, now: float) -> float:
+        return self.retired_worker_seconds + sum(now - w.started_at for w in self.workers)
+
+    # ----- load indicators -----
+    def projected_ttft_s(self, worker: Worker, now: float, prompt_tokens: float) -> float:
+        """A new prompt's wait on this worker: the rest of its current step, then the prefill ahead of it plus its
+        own in full-budget steps beside the decodes (the scheduler's own projection, in miniature)."""
+        per_step = max(1, self.budget - len(worker.decode_ends))
+        steps = math.ceil((worker.prefill_backlog + prompt_tokens) / per_step)
+        return max(0.0, worker.clock - now) + steps * self.model.step_ms(self.budget) / 1e3
+
+    def snapshots(self, now: float, prompt_tokens: float) -> list[WorkerSnapshot]:
+        return [
+            WorkerSnapshot(
+                self.projected_ttft_s(w, now, prompt_tokens), len(w.decode_ends), len(w.prefilling), self.max_num_seqs
+            )
+            for w in self.serving(now)
+        ]
+
+    def queue_wait_s(self, now: float) -> float:
+        return now - self.queue[0].arrival if self.queue else 0.0
+
+    # ----- time -----
+    def advance(self, arrivals: deque[Request], until: float) -> None:
+        """Run every worker's steps that start before `until`, taking the arrivals due by then."""
+        order = itertools.count()
+        heap = []
+        for w in self.workers:
+            if w.ready_at < until and not w.standby:
+                w.clock = max(w.clock, w.ready_at)
+                heap.append((w.clock, next(order), w))
+        heapq.heapify(heap)
+        while heap:
+            at, _, w = heapq.heappop(heap)
+            if at >= until:
+                continue
+            while arrivals and arrivals[0].arrival <= at:
+                self.queue.append(arrivals.popleft())
+            if not w.draining:
+                self._take(w)
+            if not w.running:
+                if w.draining:
+                    self._retire(w, at)
+                    continue
+                nxt = arrivals[0].arrival if arrivals else until
+                w.clock = max(at, min(nxt, until))
+                if w.clock < until:
+                    heapq.heappush(heap, (w.clock, next(order), w))
+                continue
+            w.clock = at + self._step(w, at)
+            heapq.heappush(heap, (w.clock, next(order), w))
+        for w in self.workers:
+            if w.clock < until and not w.standby and w.ready_at <= until:
+                w.clock = until  # idle to the tick's end
+        while arrivals and arrivals[0].arrival < until:
+            self.queue.append(arrivals.popleft())
+
+    def _take(self, w: Worker) -> None:
+        while self.queue and w.running < self.max_num_seqs and w.prefill_backlog < self.budget:
+            request = self.queue.popleft()
+            request.prefill_left = request.prompt
+            w.prefilling.append(request)
+
+    def _step(self, w: Worker, at: float) -> float:
+        decodes = len(w.decode_ends)
+        room = max(0, self.budget - decodes)
+        prefilled = []
+        tokens = decodes
+        for request in w.prefilling:
+            if room <= 0:
+                break
+            chunk = min(room, request.prefill_left)
+            request.prefill_left -= chunk
+            room -= chunk
+            tokens += chunk
+            if request.prefill_left == 0:
+                prefilled.append(request)
+        seconds = self.model.step_ms(tokens) / 1e3
+        end = at + seconds
+        w.busy_s += seconds
+        if decodes:
+            w.decode_steps += 1
+            while w.decode_ends and w.decode_ends[0] <= w.decode_steps:
+                heapq.heappop(w.decode_ends)
+        for request in prefilled:
+            w.prefilling.popleft()
+            request.first_token_at = end
+            self.ttfts.append((end, end - request.arrival))
+            if request.output > 1:  # the first token came with the prefill
+                heapq.heappush(w.decode_ends, w.decode_steps + request.output - 1)
+        return seconds
+
+    def take_busy_fractions(self, now: float, tick_s: float) -> list[float]:
+        """Each serving worker's share of the last tick spent stepping (a GPU-utilisation gauge), then reset."""
+        fractions = [min(1.0, w.busy_s / tick_s) for w in self.serving(now)]
+        for w in self.workers:
+            w.busy_s = 0.0
+        return fractions

@@ -1,0 +1,77 @@
+"""The autoscaler on a real daemon: a burst promotes the pre-warmed standby within two ticks, a new standby starts
+behind it, and once the load has been quiet for the delay the extra worker drains (no stream cut) and retires;
+`tokend:desired_replicas` follows each step."""
+
+from __future__ import annotations
+
+import threading
+
+from daemon_harness import Daemon
+
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
+from tokend.v1 import tokend_pb2 as pb
+
+BURST = 24
+QUIET_DELAY_S = 3.0
+
+
+def _states(daemon: Daemon) -> dict[str, str]:
+    return {w.worker_id: w.state for w in daemon.admin.GetLoad(pb.GetLoadRequest()).schedulers}
+
+
+def _desired(daemon: Daemon) -> float:
+    return daemon.metric("tokend:desired_replicas", model_name=TINY_RANDOM_MODEL_NAME, role="mixed")
+
+
+def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
+    flags = ["--model", TINY_RANDOM_MODEL_NAME, "--spare-devices", "cpu,cpu", "--max-num-seqs", "4",
+             "--autoscale-max-workers", "2", "--min-standby", "1", "--interactive-ttft-target", "30",
+             "--autoscale-scale-down-delay", str(QUIET_DELAY_S)]  # fmt: skip
+    with Daemon(*flags) as daemon:
+        # At rest: one worker serves and one waits warm beside it.
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=120)
+        standby = next(w for w, s in _states(daemon).items() if s == "standby")
+        daemon.wait_for(lambda: _desired(daemon) == 1, timeout=30)
+
+        results, failures = [], []
+
+        def stream(i: int) -> None:
+            request = pb.GenerateRequest(
+                model=TINY_RANDOM_MODEL_NAME,
+                prompt=f"burst {i}",
+                sampling=pb.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
+            )
+            try:
+                chunks = list(daemon.generation.Generate(request, timeout=300))
+                results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
+            except Exception as error:  # noqa: BLE001 (any failure is what the assertion reports)
+                failures.append(repr(error))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(BURST)]
+        for thread in threads:
+            thread.start()
+        # The queue passes what one worker holds (a generous TTFT target: nothing is shed): the standby serves.
+        daemon.wait_for(lambda: _states(daemon).get(standby) == "serving", timeout=60)
+        assert _desired(daemon) == 2
+        (decision,) = daemon.admin.GetLoad(pb.GetLoadRequest()).autoscale  # the decision and why, over gRPC too
+        assert decision.desired_replicas == 2 and decision.reason in ("queue", "ttft", "ceiling")  # the next tick holds
+        promoted = daemon.log_entries("worker_promoted")
+        assert [e["worker"] for e in promoted] == [standby]
+        # A new standby is started behind it.
+        daemon.wait_for(lambda: list(_states(daemon).values()).count("standby") == 1, timeout=120)
+        for thread in threads:
+            thread.join(timeout=300)
+        assert failures == [] and results == [("length", 300)] * BURST
+        # Quiet for the delay: one serving worker drains and retires, and the desired count follows.
+        daemon.wait_for(lambda: _desired(daemon) == 1, timeout=60 + QUIET_DELAY_S)
+        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=120)
+        assert {e["exit_code"] for e in daemon.log_entries("worker_retired")} == {0}
+        assert sorted(_states(daemon).values()) == ["serving", "standby"]
+        decisions = daemon.log_entries("autoscale")
+        assert [d["direction"] for d in decisions if d["direction"] != "hold"] == ["up", "down"], decisions
+        # Promotion is a routing flip: the "up" decision is followed by the standby serving, with no worker
+        # loading in between (the replacement standby starts after it).
+        events = [e for e in daemon.log_entries() if e.get("event") in ("autoscale", "worker_promoted",
+                                                                           "worker_starting")]  # fmt: skip
+        up = next(i for i, e in enumerate(events) if e["event"] == "autoscale" and e["direction"] == "up")
+        assert events[up + 1]["event"] == "worker_promoted", events

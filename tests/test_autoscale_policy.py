@@ -1,0 +1,179 @@
+"""The autoscaler's policy (common/autoscale_policy.py): when the fast loop scales up, holds and scales down, the
+floor and ceiling, the step-time fit that leaves cold-start steps out, and the forecast floor following a trend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.autoscale_policy import (
+    AutoscalePolicy,
+    AutoscaleState,
+    LoadSnapshot,
+    StepTimeModel,
+    WorkerSnapshot,
+    decide,
+    fit_step_model,
+    forecast_floor,
+    forecast_load,
+    worker_capacity,
+)
+
+TARGET = 1.0
+
+
+def worker(ttft: float = 0.1, running: int = 4, waiting: int = 0, slots: int = 32) -> WorkerSnapshot:
+    return WorkerSnapshot(projected_ttft_s=ttft, num_running=running, num_waiting=waiting, max_num_seqs=slots)
+
+
+def load(now: float, workers, queue: int = 0, wait: float = 0.0, starting: int = 0) -> LoadSnapshot:
+    return LoadSnapshot(now=now, workers=list(workers), queue_depth=queue, queue_wait_s=wait, ttft_target_s=TARGET,
+                        num_standby=1, num_starting=starting)  # fmt: skip
+
+
+POLICY = AutoscalePolicy(max_workers=4, scale_down_delay_s=60.0)
+
+
+def test_scales_up_when_projected_ttft_plus_queue_wait_passes_the_fraction_of_the_target():
+    # Projected 0.5 s alone is under 0.8 * 1 s; with 0.4 s of queue wait the effective TTFT is 0.9 s.
+    assert decide(load(0, [worker(0.5)], queue=1, wait=0.0), POLICY, AutoscaleState()).direction == "hold"
+    decision = decide(load(0, [worker(0.5)], queue=1, wait=0.4), POLICY, AutoscaleState())
+    assert decision == decision.__class__(desired=2, direction="up", reason="ttft")
+
+
+def test_the_best_worker_decides_the_effective_ttft():
+    decision = decide(load(0, [worker(5.0), worker(0.2)]), POLICY, AutoscaleState())
+    assert decision.direction == "hold"
+
+
+def test_scales_up_when_the_queue_passes_the_free_slots_sized_to_hold_it():
+    busy = worker(0.1, running=30)  # two free slots
+    decision = decide(load(0, [busy], queue=40), POLICY, AutoscaleState())
+    assert (decision.direction, decision.reason) == ("up", "queue")
+    assert decision.desired == 1 + 2  # 38 requests beyond the free slots need two more 32-slot workers
+
+
+def test_holds_while_a_worker_is_starting_then_acts_again_once_it_serves():
+    state = AutoscaleState()
+    first = decide(load(0, [worker(0.95)]), POLICY, state)
+    assert first.desired == 2
+    during = decide(load(10, [worker(0.95)], starting=1), POLICY, state)
+    assert (during.desired, during.direction, during.reason) == (2, "hold", "starting")
+    after = decide(load(20, [worker(0.95), worker(0.95)]), POLICY, state)
+    assert (after.desired, after.direction) == (3, "up")
+
+
+def test_scales_down_one_worker_only_after_the_quiet_delay():
+    state = AutoscaleState()
+    quiet = [worker(0.1, running=2), worker(0.1, running=2), worker(0.1, running=1)]
+    for now in range(0, 60, 5):
+        assert decide(load(now, quiet), POLICY, state).direction == "hold"
+    decision = decide(load(60, quiet), POLICY, state)
+    assert (decision.desired, decision.direction, decision.reason) == (2, "down", "quiet")
+    # The next step down waits a whole delay again.
+    assert decide(load(61, quiet[:2]), POLICY, state).direction == "hold"
+    assert decide(load(121, quiet[:2]), POLICY, state).direction == "down"
+
+
+def test_a_busy_moment_restarts_the_quiet_delay():
+    state = AutoscaleState()
+    quiet = [worker(0.1), worker(0.1)]
+    decide(load(0, quiet), POLICY, state)
+    decide(load(50, [worker(0.6), worker(0.6)]), POLICY, state)  # not quiet: 0.6 > 0.4 * target
+    assert decide(load(70, quiet), POLICY, state).direction == "hold"
+    assert decide(load(130, quiet), POLICY, state).direction == "down"
+
+
+def test_no_scale_down_when_one_worker_fewer_could_not_hold_the_running_requests():
+    state = AutoscaleState()
+    full = [worker(0.1, running=20), worker(0.1, running=20)]  # 40 running > 32 slots of one worker
+    for now in (0, 100, 200):
+        assert decide(load(now, full), POLICY, state).direction == "hold"
+
+
+def test_never_below_the_floor_nor_above_the_ceiling():
+    state = AutoscaleState()
+    policy = AutoscalePolicy(max_workers=2, min_workers=2, scale_down_delay_s=0)
+    quiet = decide(load(100, [worker(0.0, running=0), worker(0.0, running=0)]), policy, state)
+    assert (quiet.desired, quiet.direction, quiet.reason) == (2, "hold", "floor")
+    hot = decide(load(200, [worker(3.0), worker(3.0)], queue=500, wait=5), policy, state)
+    assert (hot.desired, hot.direction, hot.reason) == (2, "hold", "ceiling")
+    below = decide(load(300, [worker(0.1)]), policy, AutoscaleState())
+    assert (below.desired, below.direction, below.reason) == (2, "up", "floor")
+
+
+def test_the_forecast_floor_raises_desired_and_holds_off_scale_down():
+    state = AutoscaleState()
+    decision = decide(load(0, [worker(0.1)]), POLICY, state, floor=3)
+    assert (decision.desired, decision.direction, decision.reason) == (3, "up", "forecast")
+    quiet = [worker(0.0, running=0)] * 3
+    for now in (100, 200, 300):
+        assert decide(load(now, quiet), POLICY, state, floor=3).desired == 3
+    assert decide(load(400, quiet), POLICY, state, floor=9).desired == POLICY.max_workers
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"max_workers": 0}, "max_workers"),
+        ({"max_workers": 2, "min_workers": 3}, "min_workers"),
+        ({"max_workers": 2, "ttft_fraction": 1.5}, "ttft_fraction"),
+        ({"max_workers": 2, "min_standby": -1}, "min_standby"),
+        ({"max_workers": 2, "scale_down_delay_s": -1}, "scale_down_delay_s"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_its_field(options, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        AutoscalePolicy(**options)
+
+
+def _samples(model: StepTimeModel, n: int, rng: random.Random) -> list[tuple[int, float]]:
+    out = []
+    for _ in range(n):
+        tokens = rng.randrange(1, 1024)
+        out.append((tokens, model.step_ms(tokens) * rng.uniform(0.97, 1.03)))
+    return out
+
+
+def test_the_step_model_fit_recovers_known_coefficients_and_leaves_cold_steps_out():
+    rng = random.Random(0)
+    truth = StepTimeModel(base_ms=12.0, per_token_ms=0.35)
+    cold = [(4000, 1400.0), (24, 300.0), (24, 310.0), (24, 290.0)]  # allocator and kernel warm-up
+    samples = cold + _samples(truth, 400, rng)
+    fitted = fit_step_model(samples, skip_first=len(cold))
+    assert fitted.base_ms == pytest.approx(truth.base_ms, rel=0.1)
+    assert fitted.per_token_ms == pytest.approx(truth.per_token_ms, rel=0.02)
+    skewed = fit_step_model(samples)  # what the cold steps do to a fit that keeps them
+    assert abs(skewed.base_ms - truth.base_ms) > 2 * abs(fitted.base_ms - truth.base_ms)
+
+
+def _arrivals(rate_at, seconds: float, rng: random.Random) -> list[tuple[float, int, int]]:
+    out, t = [], 0.0
+    while t < seconds:
+        t += rng.expovariate(8.0)
+        if rng.random() * 8.0 < rate_at(t):
+            out.append((t, 1024, 256))
+    return out
+
+
+def test_the_forecast_rises_with_a_rising_trend():
+    policy = AutoscalePolicy(max_workers=16)
+    model = StepTimeModel(base_ms=11.0, per_token_ms=0.36)
+    flat = _arrivals(lambda t: 3.0, 300, random.Random(1))
+    rising = _arrivals(lambda t: 1.0 + 4.0 * t / 300, 300, random.Random(1))  # 3 req/s on average, 5 at the end
+    assert forecast_load(rising, 300, 120, policy).rate > forecast_load(flat, 300, 120, policy).rate + 1.5
+    shape = {"ttft_target_s": 2.0, "max_num_seqs": 32, "max_num_batched_tokens": 512}
+    flat_floor = forecast_floor(flat, 300, 120, model, policy, **shape)
+    assert forecast_floor(rising, 300, 120, model, policy, **shape) > flat_floor
+    assert forecast_floor(rising, 300, 300, model, policy, **shape) >= forecast_floor(rising, 300, 30, model, policy,
+                                                                                    **shape)  # fmt: skip
+    assert forecast_floor([], 300, 120, model, policy, **shape) == policy.min_workers
+
+
+def test_worker_capacity_keeps_the_prefill_under_the_target():
+    model = StepTimeModel(base_ms=11.0, per_token_ms=0.36)
+    loose = worker_capacity(model, 1024, 256, ttft_target_s=2.0, max_num_seqs=32, max_num_batched_tokens=512)
+    tight = worker_capacity(model, 1024, 256, ttft_target_s=0.5, max_num_seqs=32, max_num_batched_tokens=512)
+    assert loose.ttft_s <= 2.0 and loose.requests_per_s > 0
+    assert tight.requests_per_s <= loose.requests_per_s

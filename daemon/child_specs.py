@@ -24,6 +24,7 @@ class Slot:
     engine_device: str  # as its scheduler's engine names it ("cuda:0" under its CUDA_VISIBLE_DEVICES)
     cuda_visible_devices: str | None
     owner: str | None  # the model whose worker ran here last; None: a spare never used
+    failed: bool = False  # a worker started here later could not serve: nothing is started here again
 
 
 def slots_of(config: ServeConfig) -> list[Slot]:

@@ -59,6 +59,7 @@ class Worker:
     draining_since: float | None = None
     stop_sent: bool = False
     has_served: bool = False  # it got to its loop once: from then on, a restart is a crash restart
+    configured: bool = False  # one of the daemon's own configuration, started with it
     standby_when_warm: bool = False  # a pre-warmed standby: loaded and warm, but not routed until promoted
     started_at: float = 0.0
     warmup_seconds: float = 0.0  # from its start to its loop, measured (the autoscaler's horizon)
@@ -125,7 +126,7 @@ class WorkerPool:
         """Free slots a new worker of the model may take: its own groups, and for surge the unused spares."""
         held = {worker.slot.index for worker in self.workers}
         allowed = (model_name, None) if strategy == RolloutStrategy.SURGE else (model_name,)
-        return [slot.index for slot in self.slots if slot.index not in held and slot.owner in allowed]
+        return [s.index for s in self.slots if s.index not in held and s.owner in allowed and not s.failed]
 
     def _changed(self, event: str | None = None, model_name: str | None = None, **fields) -> None:
         self.version += 1
@@ -148,7 +149,7 @@ class WorkerPool:
             env={} if spec.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices},
         )
         slot.owner = model.name
-        worker = Worker(child, spec, model.name, slot, epoch, path)
+        worker = Worker(child, spec, model.name, slot, epoch, path, configured=configured)
         self.workers.append(worker)
         return worker
 
@@ -206,16 +207,22 @@ class WorkerPool:
             return
         rollout = self.rollouts[worker.model_name]
         failures = child.consecutive_failures + 1
-        # New weights that crash before they ever served are not retried for minutes: the rollout goes back.
-        never_served = worker.epoch != 0 and not worker.has_served and failures >= _ROLLOUT_START_ATTEMPTS
+        # A worker added later (a rollout's, the autoscaler's) that crashes before it ever served is not retried
+        # for minutes: its weights or its group cannot serve.
+        never_served = not worker.configured and not worker.has_served and failures >= _ROLLOUT_START_ATTEMPTS
         gives_up = code == EXIT_CONFIG_ERROR or failures > MAX_CONSECUTIVE_FAILURES or never_served
-        if gives_up and worker.epoch == 0 and rollout.epoch == 0:
+        if gives_up and worker.configured and rollout.epoch == 0:
             self.log.error("configuration_error" if code == EXIT_CONFIG_ERROR else "cannot_serve", child=child.name,
                            exit_code=code)  # fmt: skip
             raise CannotServe(code if code == EXIT_CONFIG_ERROR else 1)
-        if gives_up:  # a rollout's weights that cannot serve: back to the weights before them
+        if gives_up:
             self.workers.remove(worker)
-            self._fail_rollout(rollout, f"worker {worker.spec.worker_id} on {worker.path} exited with {code}")
+            reason = f"worker {worker.spec.worker_id} on {worker.path} exited with {code}"
+            if rollout.phase in ("rolling", "rolling-back", "canary") and worker.epoch == rollout.epoch:
+                self._fail_rollout(rollout, reason)  # the new weights cannot serve: back to the ones before
+            else:  # the group cannot serve (a spare GPU that fails): no worker is started there again
+                worker.slot.failed = True
+                self._changed("group_failed", worker.model_name, reason=reason, devices=worker.slot.devices)
             return
         delay = child.schedule_restart(now)
         worker.state = WorkerState.FAILED

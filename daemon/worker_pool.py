@@ -250,12 +250,8 @@ class WorkerPool:
             self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
                           path=rollout.path, devices=worker.slot.devices)  # fmt: skip
         elif isinstance(action, DrainWorkers):
-            for worker in mine:
-                if worker.spec.worker_id in action.worker_ids:
-                    worker.state = WorkerState.DRAINING
-                    worker.draining_since = time.monotonic()
-                    self._changed("worker_draining", rollout.model.name, worker=worker.spec.worker_id,
-                                  epoch=worker.epoch)  # fmt: skip
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                self._drain(worker)
         elif isinstance(action, StopWorkers):
             for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
                 self._stop_unready(worker)
@@ -285,8 +281,7 @@ class WorkerPool:
                 self._changed("worker_promoted", rollout.model.name, worker=worker.spec.worker_id)
         elif isinstance(action, DrainWorkers):
             for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
-                worker.state, worker.draining_since = WorkerState.DRAINING, time.monotonic()
-                self._changed("worker_draining", rollout.model.name, worker=worker.spec.worker_id, epoch=worker.epoch)
+                self._drain(worker)
         elif isinstance(action, StopWorkers):
             for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
                 self._stop_unready(worker)
@@ -299,6 +294,11 @@ class WorkerPool:
             self._changed("scale", model_name, serving=serving, standby=standby, reason=reason,
                           previous_serving=rollout.target_count)  # fmt: skip
             rollout.target_count, rollout.standby_count = serving, standby
+
+    def _drain(self, worker: Worker) -> None:
+        """No new requests from now on (the frontend tells the worker, which exits once its streams end)."""
+        worker.state, worker.draining_since = WorkerState.DRAINING, time.monotonic()
+        self._changed("worker_draining", worker.model_name, worker=worker.spec.worker_id, epoch=worker.epoch)
 
     def _stop_unready(self, worker: Worker) -> None:
         """A worker that serves nobody yet stops at once: it retires when it exits (now, if it is not running)."""

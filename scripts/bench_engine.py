@@ -35,11 +35,12 @@ MODEL_SHAPE = dict(
 )
 
 
-def write_bench_model(directory: Path, **overrides) -> int:
-    """Saves the random benchmark Llama with transformers; returns its parameter count."""
+def write_bench_model(directory: Path, seed: int = 0, **overrides) -> int:
+    """Saves the random benchmark Llama (MODEL_SHAPE with `overrides`) with transformers, plus the byte-level
+    tokenizer; returns its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     shape = {**MODEL_SHAPE, **overrides}
     model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=256, eos_token_id=257)).float()
     model.save_pretrained(directory)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from gpu_runtime.default_model import byte_level_tokenizer
+from bench_engine import write_bench_model
 
 # The tests' LLAMA_GQA shape (tests/checkpoints.py), long enough for the long streams: small enough that the run
 # measures the serving path (routing, draining, worker start) rather than the matmuls.
@@ -19,18 +17,12 @@ TINY_LLAMA = dict(
     num_key_value_heads=2,
     rope_theta=50000.0,
     max_position_embeddings=4096,
+    tie_word_embeddings=False,
     initializer_range=0.2,  # peaked logits: greedy argmax is not decided by float rounding
-    bos_token_id=256,
-    eos_token_id=257,
 )
 
 
 def write_tiny_llama(directory: Path, seed: int) -> Path:
-    """Saves a random tiny Llama with `save_pretrained`, plus the byte-level tokenizer, into `directory`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.float32)
-    model.save_pretrained(directory)
-    byte_level_tokenizer().save(str(directory / "tokenizer.json"))
+    """Saves a random tiny Llama of this seed, plus the byte-level tokenizer, into `directory`."""
+    write_bench_model(directory, seed=seed, **TINY_LLAMA)
     return directory

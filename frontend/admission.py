@@ -304,7 +304,7 @@ class AdmissionController:
         limit = self._slot_limit(ticket.priority)
         routed = self._link.routed_schedulers(ticket.model, ticket.route_draw)
         ready = [s for s in routed if len(s.requests) + s.reserved < limit(s)]
-        return min(ready, key=lambda s: (s.projected_ttft_seconds, len(s.requests) + s.reserved), default=None)
+        return min(ready, key=lambda s: s.routing_key, default=None)
 
     def _slot_limit(self, priority: Priority):
         if priority == Priority.INTERACTIVE:

@@ -229,7 +229,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: its worker was retired and no "
                                    "other took the request over; retry")  # fmt: skip
             await asyncio.sleep(0.1)
-        target = min(targets, key=lambda s: (s.projected_ttft_seconds, len(s.requests)))
+        target = min(targets, key=lambda s: s.routing_key)
         message = migration.continuation(target.generation)
         record.generation = ",".join(migration.generations)
         self._log.info("request_migrated", record_id=stream.request_id, worker=target.address.worker_id,

@@ -102,6 +102,15 @@ class SchedulerState:
     def projected_ttft_seconds(self) -> float:
         return self.load.projected_ttft_seconds if self.load is not None else 0.0
 
+    @property
+    def routing_key(self) -> tuple[float, int]:
+        """The sooner projected first token, then fewer requests. The projection is as old as the latest load
+        report, so each request sent here since counts as one more prompt ahead of the next: otherwise a burst
+        would all go to whichever worker looked fastest before it began."""
+        outstanding = len(self.requests) + self.reserved
+        reported = self.load.num_running + self.load.num_waiting if self.load is not None else 0
+        return self.projected_ttft_seconds * (1 + max(0, outstanding - reported)), outstanding
+
 
 @dataclass(eq=False)
 class RequestStream:

@@ -82,3 +82,18 @@ def test_a_full_group_is_passed_over_whatever_it_projects(make_link):
     full.requests.update(f"r{i}" for i in range(8))  # max_num_seqs requests in flight: no slot here
     _report(other, running=3, projected_ttft=1.5)
     assert _admitted_group(link) == "1"
+
+
+def test_a_burst_between_load_reports_spreads_over_both_groups(make_link):
+    """Both idle, one projecting a slightly sooner first token: requests sent since the last report count against
+    it, so eight requests arriving before the next report do not all land there."""
+    link = make_link(2)
+    quicker, other = link.schedulers
+    _report(quicker, running=0, projected_ttft=0.010)
+    _report(other, running=0, projected_ttft=0.012)
+    groups = []
+    for i in range(8):
+        group = _admitted_group(link)
+        groups.append(group)
+        link.schedulers[int(group)].requests.add(f"r{i}")
+    assert groups.count("0") == 4 and groups.count("1") == 4

@@ -84,7 +84,9 @@ def test_request_ids_belong_to_their_tenant(daemon):
             list(daemon.generation.Generate(again, metadata=_as("alpha"), timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in refused.value.details()
         # ...but beta's request of the same id is its own, and beta's abort of that id touches only beta's.
-        beta = pb.GenerateRequest(prompt="beta's", request_id="shared-id", sampling=pb.SamplingParams(max_tokens=3))
+        beta = pb.GenerateRequest(
+            prompt="beta's", request_id="shared-id", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+        )
         assert list(daemon.generation.Generate(beta, metadata=_as("beta"), timeout=60))[-1].finish_reason == "length"
         aborted = daemon.generation.Abort(pb.AbortRequest(request_id="shared-id"), metadata=_as("beta"), timeout=10)
         assert not aborted.aborted

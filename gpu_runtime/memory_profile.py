@@ -20,6 +20,7 @@ from gpu_runtime.memory_budget import (
     pages_from_device_memory,
 )
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.cpu_weights import can_prepack, prepack_linears
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model_runner import ModelRunner
@@ -172,6 +173,8 @@ def load_model_and_pool(
     measures_device = device.type == "cuda" and config.kv_cache_bytes is None
     start = _CudaUsage.now(device) if measures_device else None
     model = load_model(model_dir, model_config, backend, dtype, device, config.load_format)
+    if can_prepack(device, dtype):
+        prepack_linears(model)
     weights = model_bytes(model)
     per_page = page_bytes(model_config, config.page_size, dtype)
     cap = max_useful_pages(config.max_num_seqs, model_config.max_model_len, config.page_size)

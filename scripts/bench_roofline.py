@@ -4,8 +4,9 @@ Prints one JSON object (and writes a plot with --plot). In one run it measures
 - the machine: GEMM throughput (a large square matmul) and memory bandwidth (a large tensor copy);
 - per batch size and context length: the engine's decode step (LLMEngine.step(), scheduler and sampler
   included), the weights-only chain (the same checkpoint's q/k/v, o, gate/up, down and LM-head matmuls in
-  plain torch: no attention, no bookkeeping), and the bound: the larger of (weight + KV bytes) / bandwidth and
-  FLOPs / GEMM throughput.
+  plain torch: no attention, no bookkeeping), the same chain through the engine's own linear layers (prepacked
+  for oneDNN on a CPU, gpu_runtime/model/cpu_weights.py), and the bound: the larger of (weight + KV bytes) /
+  bandwidth and FLOPs / GEMM throughput.
 
 Usage:
   .venv/bin/python scripts/bench_roofline.py                       # the decode issue's ~32M Llama, float32
@@ -66,7 +67,7 @@ def main() -> None:
 
 
 def _measure(model_dir: Path, backend: str, batch: int, context: int, args, device, limits) -> dict:
-    engine_ms, chain_ms, llm = engine_and_chain_ms(model_dir, backend, batch, context, args)
+    engine_ms, chain_ms, own_chain_ms, llm = engine_and_chain_ms(model_dir, backend, batch, context, args)
     engine = llm.engine
     bound = decode_bound(engine.model_config, engine.dtype, batch, context, limits)
     return {
@@ -75,8 +76,11 @@ def _measure(model_dir: Path, backend: str, batch: int, context: int, args, devi
         "context": context,
         "engine_ms": round(engine_ms, 3),
         "chain_ms": round(chain_ms, 3),
+        "engine_linears_chain_ms": round(own_chain_ms, 3),
         "bound_ms": round(bound["bound_ms"], 3),
         "engine_over_chain": round(engine_ms / chain_ms, 3),
+        # The step's own overhead (attention, norms, bookkeeping), apart from how fast its matmuls run.
+        "engine_over_engine_linears_chain": round(engine_ms / own_chain_ms, 3),
         "engine_over_bound": round(engine_ms / bound["bound_ms"], 3),
         "chain_over_bound": round(chain_ms / bound["bound_ms"], 3),
         **{key: value for key, value in bound.items() if key != "bound_ms"},

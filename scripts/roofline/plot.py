@@ -22,6 +22,7 @@ def plot_roofline(result: dict, path: Path) -> None:
         first = [row for row in at_context if row["backend"] == at_context[0]["backend"]]
         batches = [p["batch"] for p in first]
         axis.plot(batches, [p["chain_ms"] for p in first], "s--", label="weights-only matmul chain")
+        axis.plot(batches, [p["engine_linears_chain_ms"] for p in first], "^--", label="the same, engine's linears")
         axis.plot(batches, [p["bound_ms"] for p in first], "k:", label="bound: max(bytes/bandwidth, FLOPs/peak)")
         axis.set(xscale="log", yscale="log", xlabel="batch (sequences decoding)", ylabel="ms per decode step",
                  title=f"{context}-token contexts")  # fmt: skip

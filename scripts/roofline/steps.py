@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.kv_cache.kv_pool import page_bytes
 from gpu_runtime.model.config import ModelConfig, load_model_config
+from gpu_runtime.model.cpu_weights import dense_weight
 from roofline.machine import best_seconds, synchronize
 from roofline.shapes import DUMMY_WEIGHT_SHAPES
 
@@ -19,10 +20,11 @@ _WARM_STEPS = 2
 _engines: dict[str, LLM] = {}  # one engine per attention backend, sized for the largest point
 
 
-def engine_and_chain_ms(model_dir, backend: str, batch: int, context: int, args) -> tuple[float, float, LLM]:
-    """Median milliseconds of LLMEngine.step() while `batch` sequences decode at about `context` tokens, and of the
-    weights-only chain at the same batch, timed in turns (a step, then a chain run) so that both see the same
-    machine: on a shared 2-core box its speed drifts by tens of percent between seconds.
+def engine_and_chain_ms(model_dir, backend: str, batch: int, context: int, args) -> tuple[float, float, float, LLM]:
+    """Median milliseconds of LLMEngine.step() while `batch` sequences decode at about `context` tokens, of the
+    weights-only chain at the same batch, and of the same chain through the engine's own linear layers (prepacked
+    for oneDNN on a CPU; on a GPU the same kernels as the plain chain), timed in turns (a step, then each chain) so
+    that all see the same machine: on a shared 2-core box its speed drifts by tens of percent between seconds.
 
     Prompts of `context` random tokens are prefilled first (untimed); the timed steps are decode-only.
     """
@@ -40,16 +42,19 @@ def engine_and_chain_ms(model_dir, backend: str, batch: int, context: int, args)
     for _ in range(_WARM_STEPS):
         engine.step()
     chain = weights_only_chain(engine.runner.model, batch)
+    own_chain = engines_linears_chain(engine.runner.model, batch)
     device = engine.device
-    step_times, chain_times = [], []
+    step_times, chain_times, own_chain_times = [], [], []
     for _ in range(args.steps):
         started = time.perf_counter()
         engine.step()  # its sampler reads the tokens back: the step is complete on any device
         step_times.append(time.perf_counter() - started)
         chain_times.append(best_seconds(chain, device, repeats=1))
+        own_chain_times.append(best_seconds(own_chain, device, repeats=1))
     for request_id in ids:
         engine.abort_request(request_id)
-    return statistics.median(step_times) * 1e3, statistics.median(chain_times) * 1e3, llm
+    medians = [statistics.median(times) * 1e3 for times in (step_times, chain_times, own_chain_times)]
+    return *medians, llm
 
 
 def _engine(model_dir, backend: str, args) -> LLM:
@@ -82,8 +87,9 @@ def weights_only_chain(model, batch: int):
     weights = []
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        weights += [attention.qkv_proj.weight, attention.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-    weights.append(model.lm_head.weight)
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights += [dense_weight(linear) for linear in linears]
+    weights.append(dense_weight(model.lm_head))
     device, dtype = weights[0].device, weights[0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device, dtype=dtype) for w in weights}
 
@@ -91,6 +97,25 @@ def weights_only_chain(model, batch: int):
         with torch.inference_mode():
             for weight in weights:
                 F.linear(inputs[weight.shape[1]], weight)
+
+    return chain
+
+
+def engines_linears_chain(model, batch: int):
+    """The weights-only chain through the engine's own linear modules (their layout, their kernels)."""
+    linears = []
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears += [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    linears.append(model.lm_head)
+    weight = model.embed_tokens.weight
+    inputs = {linear.in_features: torch.randn(batch, linear.in_features, device=weight.device, dtype=weight.dtype)
+              for linear in linears}  # fmt: skip
+
+    def chain():
+        with torch.inference_mode():
+            for linear in linears:
+                linear(inputs[linear.in_features])
 
     return chain
 

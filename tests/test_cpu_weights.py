@@ -1,0 +1,52 @@
+"""Linear weights prepacked for oneDNN on the CPU: the same numbers as nn.Linear, every matmul of a float32 CPU
+engine packed, a tied embedding table left whole, and greedy outputs still transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import LLAMA3_ROPE, write_checkpoint
+from conftest import random_prompts, transformers_greedy
+from torch import nn
+
+from gpu_runtime import LLM, SamplingParams
+from gpu_runtime.model.cpu_weights import PackedLinear, can_prepack, dense_weight
+
+pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_a_packed_linear_computes_what_the_plain_one_does(bias, rows):
+    torch.manual_seed(rows)
+    plain = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    expected = plain(x)
+    packed = PackedLinear(plain)
+    torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense_weight(packed), plain.weight.detach(), rtol=0, atol=0)
+
+
+def test_a_float32_cpu_engine_packs_every_matmul(reference_case):
+    model_dir, _, _ = reference_case  # Llama with GQA, and Qwen2 (q/k/v bias)
+    model = LLM(str(model_dir), max_num_seqs=2).engine.runner.model
+    linears = [module for module in model.modules() if isinstance(module, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(module, PackedLinear) for module in linears)
+
+
+def test_a_bfloat16_engine_keeps_plain_weights(llama_dir):
+    model = LLM(str(llama_dir), max_num_seqs=2, dtype="bfloat16").engine.runner.model
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.layers[0].mlp.down_proj, nn.Linear)
+
+
+def test_a_tied_embedding_keeps_its_rows_and_greedy_is_still_transformers(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "tied", LLAMA3_ROPE)
+    prompts = random_prompts(4, 5, 120, seed=3)
+    expected = transformers_greedy(model_dir, prompts, 24)
+    llm = LLM(str(model_dir), max_num_seqs=4)
+    model = llm.engine.runner.model
+    assert isinstance(model.lm_head, PackedLinear)
+    torch.testing.assert_close(dense_weight(model.lm_head), model.embed_tokens.weight.detach(), rtol=0, atol=0)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

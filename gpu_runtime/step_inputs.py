@@ -4,12 +4,16 @@ Everything the device needs is written into one host list of int64 and copied in
 memory, without waiting, on CUDA); the tensors the model reads are views of that one copy, and the masks are
 computed on the device from them. Python touches each sequence a few times per step, never each cached token:
 a decode adds one id, one position, one slot and its block-table row.
+
+Two stages: `plan_step` turns the scheduler's choice into a StepPlan of plain integers, and `inputs_of_plan`
+turns a plan into tensors. Tensor-parallel ranks receive the plan (msgspec, never pickle) and run only the second.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PrefillBatch, SequenceSpan
@@ -26,14 +30,25 @@ class StepInputs:
     sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
 
 
-@dataclass(slots=True)
-class _Row:
-    """One sequence's part of the step, gathered on the host."""
+class PlanRow(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's part of the step."""
 
-    query_start: int
+    query_start: int  # its first row in the flattened batch
     query_len: int
-    context_len: int
-    pages: list[int]
+    context_len: int  # tokens in its cache after the step
+    pages: list[int]  # the pages holding those tokens, in order
+
+
+class StepPlan(msgspec.Struct, frozen=True, array_like=True):
+    """A step's flattened batch as plain integers: everything its forward needs but the weights and the cache."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # cache slot of each new token; rows past the last slot are not stored
+    logits_rows: list[int]  # the rows whose logits are sampled
+    decode_rows: list[PlanRow]  # single-query rows: the decodes, then a static batch's padding rows
+    prefill_rows: list[PlanRow]
+    num_real_decodes: int
 
 
 class _HostBuffer:
@@ -58,17 +73,23 @@ class _HostBuffer:
 
 def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device, with_spans: bool) -> StepInputs:
     """The step's inputs; `with_spans` adds the per-sequence spans that one-sequence-at-a-time backends read."""
+    plan, sampling = plan_step(step, page_size)
+    return inputs_of_plan(plan, device, with_spans, sampling)
+
+
+def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Sequence]]:
+    """The step's plan, and the sequences that sample a token, in logits order."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_rows: list[int] = []
     sampling: list[Sequence] = []
-    decode_rows: list[_Row] = []
-    prefill_rows: list[_Row] = []
+    decode_rows: list[PlanRow] = []
+    prefill_rows: list[PlanRow] = []
     for seq in step.decodes:
         position = seq.num_computed_tokens
         page = seq.page_ids[position // page_size]
-        decode_rows.append(_Row(len(input_ids), 1, position + 1, _pages(seq, position + 1, page_size)))
+        decode_rows.append(PlanRow(len(input_ids), 1, position + 1, _pages(seq, position + 1, page_size)))
         input_ids.append(seq.token_ids_range(position, position + 1)[0])
         positions.append(position)
         slots.append(page * page_size + position % page_size)
@@ -77,7 +98,7 @@ def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.devic
     for work in step.prefills:
         seq, start = work.seq, work.seq.num_computed_tokens
         end = start + work.num_new_tokens
-        prefill_rows.append(_Row(len(input_ids), work.num_new_tokens, end, _pages(seq, end, page_size)))
+        prefill_rows.append(PlanRow(len(input_ids), work.num_new_tokens, end, _pages(seq, end, page_size)))
         input_ids.extend(seq.token_ids_range(start, end))
         positions.extend(range(start, end))
         pages = seq.page_ids
@@ -92,13 +113,19 @@ def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.devic
         context = seq.num_computed_tokens
         if context == 0:
             continue
-        decode_rows.append(_Row(len(input_ids), 1, context, _pages(seq, context, page_size)))
+        decode_rows.append(PlanRow(len(input_ids), 1, context, _pages(seq, context, page_size)))
         input_ids.extend(seq.token_ids_range(context - 1, context))
         positions.append(context - 1)
+    plan = StepPlan(input_ids, positions, slots, logits_rows, decode_rows, prefill_rows, num_real_decodes)
+    return plan, sampling
 
+
+def inputs_of_plan(plan: StepPlan, device: torch.device, with_spans: bool, sampling: list[Sequence]) -> StepInputs:
+    """The plan's tensors on `device`, in one host-to-device copy."""
+    decode_rows, prefill_rows, num_real_decodes = plan.decode_rows, plan.prefill_rows, plan.num_real_decodes
     buffer = _HostBuffer()
-    ids_at, positions_at = buffer.add(input_ids), buffer.add(positions)
-    slots_at, logits_at = buffer.add(slots), buffer.add(logits_rows)
+    ids_at, positions_at = buffer.add(plan.input_ids), buffer.add(plan.positions)
+    slots_at, logits_at = buffer.add(plan.slots), buffer.add(plan.logits_rows)
     decode_sections = _add_decode_sections(buffer, decode_rows, has_padding=len(decode_rows) > num_real_decodes)
     prefill_sections = _add_prefill_sections(buffer, prefill_rows)
     tensors = buffer.to_device(device)
@@ -118,7 +145,7 @@ def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:
     return seq.page_ids[: -(-num_tokens // page_size)]
 
 
-def _block_table(rows: list[_Row]) -> tuple[list[int], tuple[int, int]]:
+def _block_table(rows: list[PlanRow]) -> tuple[list[int], tuple[int, int]]:
     width = max(len(row.pages) for row in rows)
     flat: list[int] = []
     for row in rows:
@@ -127,7 +154,7 @@ def _block_table(rows: list[_Row]) -> tuple[list[int], tuple[int, int]]:
     return flat, (len(rows), width)
 
 
-def _add_decode_sections(buffer: _HostBuffer, rows: list[_Row], has_padding: bool) -> dict[str, int]:
+def _add_decode_sections(buffer: _HostBuffer, rows: list[PlanRow], has_padding: bool) -> dict[str, int]:
     if not rows:
         return {}
     table, shape = _block_table(rows)
@@ -137,7 +164,7 @@ def _add_decode_sections(buffer: _HostBuffer, rows: list[_Row], has_padding: boo
     return sections
 
 
-def _add_prefill_sections(buffer: _HostBuffer, rows: list[_Row]) -> dict[str, int]:
+def _add_prefill_sections(buffer: _HostBuffer, rows: list[PlanRow]) -> dict[str, int]:
     if not rows:
         return {}
     table, shape = _block_table(rows)
@@ -160,7 +187,7 @@ def _add_prefill_sections(buffer: _HostBuffer, rows: list[_Row]) -> dict[str, in
     }
 
 
-def _decode_batch(tensors, sections: dict[str, int], rows: list[_Row], device) -> DecodeBatch | None:
+def _decode_batch(tensors, sections: dict[str, int], rows: list[PlanRow], device) -> DecodeBatch | None:
     if not rows:
         return None
     max_context = max(row.context_len for row in rows)
@@ -171,7 +198,7 @@ def _decode_batch(tensors, sections: dict[str, int], rows: list[_Row], device) -
     return DecodeBatch(batch_rows, tensors[sections["table"]], context_lens, key_mask[:, None, None, :], max_context)
 
 
-def _prefill_batch(tensors, sections: dict[str, int], rows: list[_Row], device) -> PrefillBatch | None:
+def _prefill_batch(tensors, sections: dict[str, int], rows: list[PlanRow], device) -> PrefillBatch | None:
     if not rows:
         return None
     max_context = max(row.context_len for row in rows)
@@ -189,7 +216,7 @@ def _prefill_batch(tensors, sections: dict[str, int], rows: list[_Row], device) 
     )
 
 
-def _spans(rows: list[_Row], batch: DecodeBatch | PrefillBatch | None, first_table_row: int) -> tuple:
+def _spans(rows: list[PlanRow], batch: DecodeBatch | PrefillBatch | None, first_table_row: int) -> tuple:
     return tuple(
         SequenceSpan(row.query_start, row.query_len, row.context_len, batch.block_table[i, : len(row.pages)])
         for i, row in enumerate(rows, start=first_table_row)

@@ -66,6 +66,7 @@ def worker_spec(
         cpu_threads=config.scheduler_threads(len(config.scheduler_placements())),
         cuda_visible_devices=slot.cuda_visible_devices,
         devices=slot.devices,
+        collective_timeout_s=config.stall_timeout,
     )
 
 

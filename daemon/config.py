@@ -208,7 +208,10 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         engines = [self.engine_of(model) for model in served]
         shares = [ModelShare(engine.gpu_memory_utilization, engine.kv_cache_bytes) for engine in engines]
         models = [(model.name, list(model.groups)) for model in served]
-        return place(models, self.devices, shares, visible_gpus(environ))
+        placements = place(models, self.devices, shares, visible_gpus(environ))
+        for placement in placements:
+            _check_ranks_fit(placement, engines[placement.model_index].tensor_parallel_size)
+        return placements
 
     def engine_of(self, model: ModelSpec) -> EngineConfig:
         """The engine options of a model's schedulers: the shared ones, with its identity and its own share of a
@@ -233,6 +236,19 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             return self.cpu_threads
         cores = len(os.sched_getaffinity(0))
         return max(1, (cores - 1) // max(1, num_schedulers))
+
+
+def _check_ranks_fit(placement: Placement, tensor_parallel_size: int) -> None:
+    """Under tensor parallelism on CUDA each rank takes one GPU of its group: the group must have that many."""
+    if tensor_parallel_size == 1 or placement.cuda_visible_devices is None:
+        return
+    gpus = len(placement.cuda_visible_devices.split(","))
+    if gpus != tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size: {tensor_parallel_size} ranks need a group of {tensor_parallel_size} GPUs, one "
+            f"each, but {placement.key} gives {placement.model_name} the group {placement.label!r} of {gpus}; "
+            f'list them together (groups = ["cuda:0,cuda:1"]) or set tensor_parallel_size = {gpus}'
+        )
 
 
 # Each scheduler's identity (which model, which device) comes from the daemon's own model/device options, and

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from common.generation import model_generation
@@ -22,13 +22,15 @@ from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.memory_profile import load_model_and_pool
-from gpu_runtime.model.config import load_model_config
+from gpu_runtime.model.config import load_capped_model_config
+from gpu_runtime.model.tensor_parallel import check_divisible
 from gpu_runtime.model_runner import ModelRunner
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import Scheduler, SchedulerOutput
 from gpu_runtime.sequence import Sequence, SequenceStatus
 from gpu_runtime.step_failure import StepOutOfMemory
 from gpu_runtime.tokenizer import Tokenizer
+from gpu_runtime.tp.rank_group import DEFAULT_COLLECTIVE_TIMEOUT_S, RankGroup
 
 
 class LLMEngine:
@@ -36,17 +38,14 @@ class LLMEngine:
 
     step_failure: StepOutOfMemory | None = None  # the latest step's, if it ran out of device memory
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         self.config = config
         # A directory, a .gguf file (converted into the cache once), a built-in model's name, or none: the default.
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
         self.model_name = config.served_model_name or served_name(config.model)
-        self.model_config = load_model_config(model_dir)
-        if config.max_model_len:
-            self.model_config = dataclasses.replace(
-                self.model_config, max_model_len=min(config.max_model_len, self.model_config.max_model_len)
-            )
+        self.model_config = load_capped_model_config(model_dir, config.max_model_len)
+        check_divisible(self.model_config, config.tensor_parallel_size)  # before any rank starts
         self.tokenizer = Tokenizer(model_dir)
         # Read here, with the rest of the checkpoint, and filled in by the frontend (the one that knows which
         # fields a request set); a bad default fails the model's start, naming the file.
@@ -56,18 +55,31 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(model_dir))
         backend = make_attention_backend(config.attention_backend, self.device)
         self.attention_backend = backend.name  # what "auto" became here
+        # Tensor parallelism: this process is rank 0; the others start now, as its children, and build the same
+        # model from the same resolved settings, each its own shard.
+        self.ranks: RankGroup | None = None
+        if config.tensor_parallel_size > 1:
+            resolved = msgspec.structs.replace(
+                config, attention_backend=backend.name, dtype=str(self.dtype).removeprefix("torch.")
+            )
+            self.ranks = RankGroup(resolved, model_dir, self.device, collective_timeout_s)
+        tp, channel = (self.ranks.tp, self.ranks.channel) if self.ranks else (None, None)
         # On CUDA the pool takes what the weights and a profiled largest step leave of gpu_memory_utilization;
         # self.memory holds those numbers (weights, activation peak, pages) for the ready log.
-        model, pool, self.memory = load_model_and_pool(
-            model_dir, self.model_config, config, backend, self.dtype, self.device
-        )
+        try:
+            model, pool, self.memory = load_model_and_pool(
+                model_dir, self.model_config, config, backend, self.dtype, self.device, tp, channel
+            )
+        except BaseException:
+            self.close()
+            raise
         # Which weights these are; it salts the page hashes, so cached pages (and pages handed between workers)
         # never match across models or across two generations of one model's weights.
         self.generation = model_generation(model_dir)
         salt = f"{self.model_name}:{self.generation}".encode()
         self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
-        self.runner = ModelRunner(model, pool, self.device)
+        self.runner = ModelRunner(model, pool, self.device, channel)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
@@ -234,6 +246,16 @@ class LLMEngine:
     def import_prefix(self, export: PageExport) -> int:
         """Adds exported pages to this engine's prefix cache; returns how many were new here."""
         return import_pages(self.kv, self.runner.pool, export)
+
+    def check_ranks(self) -> None:
+        """Raises RankLost if a tensor-parallel rank has exited (the engine cannot step again); a no-op without."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any. Idempotent."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in a few numbers, cheap enough to read at every step."""

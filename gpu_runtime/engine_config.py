@@ -77,8 +77,8 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
     kv_cache_bytes: Annotated[
         int | None,
         _doc(
-            "KV-cache size in bytes (never more than max_num_seqs full-length sequences use); unset: 512 MiB on CPU, "
-            "on CUDA what gpu_memory_utilization leaves"
+            "KV-cache size in bytes (never more than max_num_seqs full-length sequences use; each rank's under tensor "
+            "parallelism); unset: 512 MiB on CPU, on CUDA what gpu_memory_utilization leaves"
         ),
     ] = None
     gpu_memory_utilization: Annotated[
@@ -98,6 +98,13 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
             "the kernel cannot be built, batched on CUDA)"
         ),
     ] = "auto"
+    tensor_parallel_size: Annotated[
+        int,
+        _doc(
+            "split the model over this many ranks (Megatron's way): the group's GPUs on CUDA (one each), processes "
+            "on a CPU; rank 0 is the scheduler process and starts the others"
+        ),
+    ] = 1
     load_format: Annotated[
         Literal["auto", "dummy"],
         _doc("auto: the checkpoint's safetensors; dummy: random weights of its shape, for benchmarks (as vLLM's)"),
@@ -135,6 +142,8 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         require(isinstance(caching, bool), "enable_prefix_caching", "true|false", caching)
         backend = self.attention_backend
         require(backend in ATTENTION_BACKENDS, "attention_backend", "|".join(ATTENTION_BACKENDS), backend)
+        tp = self.tensor_parallel_size
+        require(is_int(tp) and tp >= 1, "tensor_parallel_size", "an integer >= 1", tp)
         require(self.load_format in ("auto", "dummy"), "load_format", "auto|dummy", self.load_format)
         generation = self.generation_config
         require(isinstance(generation, str) and bool(generation), "generation_config", "auto|vllm|DIR", generation)

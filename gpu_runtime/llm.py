@@ -22,6 +22,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (tensor_parallel_size > 1); they also end with this
+        process. Idempotent; `with LLM(...) as llm:` calls it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

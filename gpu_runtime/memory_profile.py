@@ -23,10 +23,12 @@ from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.cpu_weights import can_prepack, prepack_linears
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.loader import load_model
+from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.model_runner import ModelRunner
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import PrefillWork, SchedulerOutput
 from gpu_runtime.sequence import Sequence
+from gpu_runtime.tp.step_channel import StepChannel
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # kv_cache_bytes' default off CUDA: laptop-friendly
 
@@ -102,6 +104,8 @@ def run_step(runner: ModelRunner, step: SchedulerOutput) -> list[int]:
     """One forward and one sampling, as LLMEngine.step runs them; returns the sampled tokens."""
     inputs = runner.prepare(step)
     logits = runner.execute(inputs)
+    if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+        return []
     tokens, _logprobs = Sampler()(logits, inputs.sampling)
     return tokens
 
@@ -168,13 +172,22 @@ def load_model_and_pool(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TensorParallel | None = None,
+    channel: StepChannel | None = None,
 ) -> tuple[LlamaForCausalLM, KVPool, MemoryPlan]:
-    """The loaded model, its KV pool, and the numbers that sized the pool."""
+    """The loaded model, its KV pool, and the numbers that sized the pool.
+
+    Under tensor parallelism (`tp`, and the group's `channel`) this rank's shard and pool: every rank of the group
+    runs this at once, the profiling steps' collectives pairing up, and the pool holds as many pages on every rank
+    (the fewest any rank's memory allows), each page this rank's KV heads only."""
     measures_device = device.type == "cuda" and config.kv_cache_bytes is None
     start = _CudaUsage.now(device) if measures_device else None
-    model = load_model(model_dir, model_config, backend, dtype, device, config.load_format)
+    model = load_model(model_dir, model_config, backend, dtype, device, config.load_format, tp)
+    if channel is not None:
+        channel.barrier()  # all shards loaded: a slow load must not time out the profiling step's collectives
     if can_prepack(device, dtype):
         prepack_linears(model)
+    model_config = model.config  # the rank's view under tensor parallelism: its KV heads size its pages
     weights = model_bytes(model)
     per_page = page_bytes(model_config, config.page_size, dtype)
     cap = max_useful_pages(config.max_num_seqs, model_config.max_model_len, config.page_size)
@@ -194,6 +207,8 @@ def load_model_and_pool(
     else:
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else CPU_KV_CACHE_BYTES
         num_pages = pages_from_budget(budget, per_page, config.page_size, cap)
+    if channel is not None:
+        num_pages = channel.smallest(num_pages)
     pool = KVPool(model_config, num_pages, config.page_size, dtype, device)
     plan = MemoryPlan(weights, peak, non_torch, per_page, num_pages, cap)
     return model, pool, plan

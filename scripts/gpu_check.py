@@ -44,6 +44,7 @@ SECTION_LIMITS_S = {
     "large_pool": 90,
     "sampler": 60,
     "two_schedulers": 60,
+    "tensor_parallel": 120,
     "gpu_tests": 180,
 }
 BUDGET_S = 460
@@ -56,6 +57,7 @@ CUDA_PROCESSES = [
     ["loader_memory"],
     ["large_pool"],
     ["sampler", "two_schedulers"],
+    ["tensor_parallel"],
     ["gpu_tests"],
 ]
 DRY_RUN_SLOWDOWN = 3  # the dry run's limits: a shared CPU runs the small sections slower than an H200 the big ones

@@ -346,6 +346,23 @@ def two_schedulers(device: str, dry_run: bool) -> dict:
     return {"ok": a == b and all(len(t) == num_tokens for t in a), **result}
 
 
+def tensor_parallel(device: str, dry_run: bool) -> dict:
+    """scripts/bench_tensor_parallel.py: the decode step at tensor_parallel_size 1 and 2 and the collectives' share
+    of it; on CUDA only where the box has two GPUs (the dry run: two CPU rank processes, a tiny model)."""
+    if not dry_run and torch.cuda.device_count() < 2:
+        return {"skipped": f"tensor_parallel_size 2 needs two GPUs; this box has {torch.cuda.device_count()}"}
+    if dry_run:
+        flags = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--batches", "1", "--steps", "2"]
+    else:
+        flags = ["--device", "cuda", "--dtype", "bfloat16", "--shape", "8b", "--batches", "1,16,64"]
+    script = ROOT / "scripts" / "bench_tensor_parallel.py"
+    done = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=170)
+    if done.returncode != 0:
+        return {"ok": False, "command": flags, "error": done.stderr[-2000:]}
+    report = json.loads(done.stdout[done.stdout.index("{") :])
+    return {"ok": bool(report["rows"]), "command": flags, "rows": report["rows"]}
+
+
 def gpu_tests(device: str, dry_run: bool) -> dict:
     """The marked GPU tests (TOKEND_TEST_GPU=1 pytest -m gpu), counted from pytest's JUnit report."""
     import os
@@ -385,5 +402,6 @@ SECTIONS = {
     "large_pool": large_pool,
     "sampler": sampler,
     "two_schedulers": two_schedulers,
+    "tensor_parallel": tensor_parallel,
     "gpu_tests": gpu_tests,
 }

@@ -25,6 +25,7 @@ SECTIONS = [
     "large_pool",
     "sampler",
     "two_schedulers",
+    "tensor_parallel",
     "gpu_tests",
 ]
 CUDA_ONLY = "a CUDA measurement: skipped in the CPU dry run"
@@ -68,6 +69,8 @@ def test_correctness_sections_compare_for_real(dry_run):
     assert lines["seeds"]["alone_equals_in_batch"] is True
     assert lines["large_pool"]["tokens_equal"] is True
     assert lines["two_schedulers"]["same_tokens"] is True
+    (row,) = lines["tensor_parallel"]["rows"]  # two CPU ranks ran decode steps, their collectives timed
+    assert row["tp1_step_ms"] > 0 and row["tp2_step_ms"] > 0 and 0 < row["collective_ms"] < row["tp2_step_ms"]
 
 
 @pytest.mark.timeout(1600)

@@ -165,3 +165,12 @@ def test_a_cuda_device_this_torch_cannot_use_exits_78_naming_it_without_restarti
     for asked in ("cuda:0", "CUDA_VISIBLE_DEVICES=0", TINY_RANDOM_MODEL_NAME, "dtype auto",
                   "gpu_memory_utilization=0.9", "built without CUDA"):  # fmt: skip
         assert asked in message, message
+
+
+def test_tensor_parallel_ranks_take_one_gpu_each_of_their_group(tmp_path, monkeypatch):
+    toml = 'tensor_parallel_size = 2\n[[models]]\nname = "a"\ngroups = ["cuda:0,cuda:1", "cuda:2,cuda:3"]\n'
+    assert _placed(tmp_path, toml, monkeypatch, "0,1,2,3") == [("a/0", "cuda:0", "0,1"), ("a/1", "cuda:0", "2,3")]
+    toml = 'tensor_parallel_size = 2\n[[models]]\nname = "a"\ngroups = ["cuda:0,cuda:1,cuda:2"]\n'
+    expected = "tensor_parallel_size: 2 ranks need a group of 2 GPUs, one each, but models[0].groups gives a the group"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)} 'cuda:0,cuda:1,cuda:2' of 3"):
+        _load(tmp_path, toml, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})

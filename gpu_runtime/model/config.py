@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,14 @@ def _max_model_len(raw: dict[str, Any], architecture: str) -> int:
     if uses_window and window:
         max_len = min(max_len, int(window))
     return max_len
+
+
+def load_capped_model_config(model_dir: str | Path, max_model_len: int | None) -> ModelConfig:
+    """load_model_config, its context capped at `max_model_len` (the engine's flag) when that is set."""
+    config = load_model_config(model_dir)
+    if max_model_len:
+        config = dataclasses.replace(config, max_model_len=min(max_model_len, config.max_model_len))
+    return config
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

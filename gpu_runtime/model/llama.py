@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache."""
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache; with a
+TensorParallel, one rank's shard of it (the split: tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
+from gpu_runtime.model.tensor_parallel import TensorParallel, VocabParallelEmbedding, holds_row_bias, shard_config
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +31,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with fused q/k/v projections; K/V live in the layer's page pool."""
+    """Grouped-query self-attention with fused q/k/v projections; K/V live in the layer's page pool. Under tensor
+    parallelism `config` is the rank's view: its heads only, o_proj's partial sums added over the ranks."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -39,8 +42,9 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and holds_row_bias(tp))
         self.backend = backend
+        self.tp = tp
 
     def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -49,31 +53,34 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rotation)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, k_pages, v_pages, meta)
-        return self.o_proj(out.flatten(1))
+        out = self.o_proj(self.backend.forward(q, k, v, k_pages, v_pages, meta).flatten(1))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        down_bias = config.mlp_bias and holds_row_bias(tp)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=down_bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        out = self.down_proj(nn.functional.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotation, k_pages, v_pages, meta)
@@ -81,16 +88,28 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder; parameter names follow transformers, except the fused projections."""
+    """The whole decoder; parameter names follow transformers, except the fused projections.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    With `tp`, this rank's shard of it: `config` stays the whole model's, `self.config` is the rank's view
+    (shard_config), and every rank must run every forward and compute_logits with the same inputs."""
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel | None = None
+    ):
         super().__init__()
+        self.tp = tp
+        if tp is not None:
+            config = shard_config(config, tp)
         self.config = config
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        vocab, hidden = config.vocab_size, config.hidden_size
+        if tp is None:
+            self.embed_tokens = nn.Embedding(vocab, hidden)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(hidden, vocab if tp is None else tp.vocab_shard(vocab)[1], bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -107,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rotation, k_pages, v_pages, meta)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the rows that sample; the final norm is per row, so it runs only on them."""
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 [rows, vocab_size] logits for the rows that sample; the final norm is per row, so it runs only on
+        them. Under tensor parallelism rank 0 gets them all, gathered from the ranks' shards; the others get None."""
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.config.vocab_size)

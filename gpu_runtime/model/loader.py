@@ -1,8 +1,10 @@
-"""Builds a LlamaForCausalLM and fills it from a checkpoint's *.safetensors files (sharded or not)."""
+"""Builds a LlamaForCausalLM and fills it from a checkpoint's *.safetensors files (sharded or not); under tensor
+parallelism a rank's shard of it, reading only that shard of each tensor (tp_checkpoint.py)."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,8 @@ from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.load_progress import LoadProgress
 from gpu_runtime.model.rope import RotaryEmbedding
+from gpu_runtime.model.tensor_parallel import TensorParallel
+from gpu_runtime.model.tp_checkpoint import CheckpointShards
 
 # transformers name fragment -> (our fused parameter, which shard of it)
 _FUSED_SHARDS = {
@@ -43,16 +47,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(model_dir: Path, shards: CheckpointShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor by name, whole; or with `shards`, only a rank's part of it (tensors the rank holds
+    none of are skipped). Progress counts the checkpoint's bytes passed over, a shard's whole tensor included."""
     files = safetensors_files(model_dir)
     with LoadProgress(model_dir, files) as progress:
         for path in files:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                        tensor = f.get_tensor(name)
+                        if shards is None:
+                            tensor = f.get_tensor(name)
+                            numel = tensor.numel()
+                        else:
+                            part = f.get_slice(name)
+                            tensor, numel = shards.read(name, part), math.prod(part.get_shape())
+                            if tensor is None:
+                                continue
                         yield name, tensor
-                        progress.advance(tensor.numel() * tensor.element_size())
+                        progress.advance(numel * tensor.element_size())
             except SafetensorError as error:  # a damaged file: the same at every retry, so a config error
                 raise ValueError(f"model: {path} is not a readable safetensors file ({error})") from None
 
@@ -64,29 +77,32 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Returns the model in eval mode on `device`, every parameter filled from the checkpoint (or, with
     load_format "dummy", drawn at random on the device: a model's shape without its weights, for benchmarks).
+    With `tp`, this rank's shard of the model (`config` the whole model's), only that shard read from the files.
 
     The model is built on the meta device and materialised once, in `dtype` on `device`: no randomly
     initialised (or float32) copy is ever made, so loading peaks at about the weights' size (plus one
     checkpoint tensor while it is converted).
     """
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, dtype).to(dtype)
+        model = LlamaForCausalLM(config, backend, dtype, tp).to(dtype)
     model.to_empty(device=device)
     _finish_materialising(model, config)
     if load_format == "dummy":
         return _fill_at_random(model).eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, tensor in iterate_checkpoint(Path(model_dir)):
+    shards = None if tp is None else CheckpointShards(config, tp)
+    for name, tensor in iterate_checkpoint(Path(model_dir), shards):
         target = _copy_into(model, params, name, tensor)
         if target is not None:
             loaded.add(target)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies were queued without waiting; the model is whole only now
-    missing = _expected_pieces(params, config) - loaded
+    missing = _expected_pieces(params, model.config) - loaded
     if missing:
         raise ValueError(f"model: checkpoint {model_dir} lacks weights for {sorted(missing)[:5]}")
     return model.eval()

@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
     import torch  # loads here, after the title is set
 
     from gpu_runtime.engine import LLMEngine
+    from gpu_runtime.tp.rank_group import RankLost
     from gpu_runtime.worker.engine_start import DEVICE_START_ERRORS, engine_config_on_device, start_failure
     from gpu_runtime.worker.io_threads import FrontendDisconnected, InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
@@ -40,7 +41,7 @@ def main(argv: list[str]) -> int:
     if spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
     try:
-        engine = LLMEngine(engine_config_on_device(spec))
+        engine = LLMEngine(engine_config_on_device(spec), collective_timeout_s=spec.collective_timeout_s)
         warm_up(engine)
         if engine.step_failure is not None:  # warm-up ran out of memory: serving would too
             raise torch.OutOfMemoryError(engine.step_failure.message)
@@ -66,13 +67,25 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, lambda *_: loop.stop())
     reader.start()
     writer.start()
-    loop.run()
+    exit_code = 0
+    try:
+        loop.run()
+    except RankLost as error:  # the group cannot step again: exiting makes the daemon restart all of it
+        log.error("tensor_parallel_rank_lost", error=str(error))
+        exit_code = _EXIT_FAILED
+    except RuntimeError as error:  # a collective failed mid-step: a rank died or hung; the same, found later
+        if engine.ranks is None:
+            raise
+        log.error("tensor_parallel_rank_lost", error=str(error)[:500])
+        exit_code = _EXIT_FAILED
+    finally:
+        engine.close()  # its other tensor-parallel ranks, if any
     reader.stop()
     writer.close()
     reader.join(timeout=2)
     context.term()
-    log.info("scheduler_stopped")
-    return 0
+    log.info("scheduler_stopped", exit_code=exit_code)
+    return exit_code
 
 
 if __name__ == "__main__":

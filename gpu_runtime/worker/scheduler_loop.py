@@ -78,6 +78,7 @@ class SchedulerLoop:
         while not self._stopping.is_set():
             busy = self.engine.has_unfinished_requests()
             self._drain_inputs(wait_seconds=0.0 if busy else self.spec.load_report_interval_s)
+            self.engine.check_ranks()  # a lost tensor-parallel rank ends this process: the daemon restarts the group
             if self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
                 self._recent_step_seconds.append(self.engine.stats.last_step_seconds)

@@ -25,6 +25,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # engine.device "cuda:0" is this scheduler's own first GPU; carried here too for the logs.
     cuda_visible_devices: str | None = None
     devices: str = ""  # the group as configured ("cuda:1"), for the logs and start errors
+    # Under tensor parallelism, how long a collective waits for the other ranks: the daemon's stall_timeout, so a
+    # hung rank fails the step about when the watchdog would have killed the stalled scheduler anyway.
+    collective_timeout_s: float = 30.0
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -1,0 +1,98 @@
+"""Tensor parallelism through the engine: LLM(..., tensor_parallel_size=2) starts a second rank process (gloo on the
+CPU) and generates what one process generates, and what transformers does, with prefix caching and chunked prefill
+on; a lost rank is noticed; closing leaves no rank behind; a model whose heads do not split is refused at start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from checkpoints import QWEN2, write_checkpoint
+from conftest import random_prompts, transformers_greedy
+
+from gpu_runtime import LLM, SamplingParams
+from gpu_runtime.tp.rank_group import RankLost
+
+LLAMA_4Q_2KV = {"kind": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
+NUM_TOKENS = 12
+# Small pages and a small token budget: prompts are chunked over steps, and the 16 prompts' shared first 24 tokens
+# come from the prefix cache once the first of them has run.
+OPTIONS = {"page_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 48, "enable_prefix_caching": True}
+
+
+def prompts_sharing_a_prefix() -> list[list[int]]:
+    prefix = random_prompts(1, 24, 24, seed=7)[0]
+    return [prefix + tail for tail in random_prompts(16, 1, 60, seed=8)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def rank_processes() -> list[int]:
+    """The pids of this test process's rank children still running (their title: `tokend: rank 1/2 ...`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+        if int(parent) == os.getpid() and command.startswith(b"tokend: rank ") and "zombie" not in status:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("spec", [LLAMA_4Q_2KV, QWEN2], ids=["llama-4q-2kv", "qwen2-qkv-bias"])
+def test_two_ranks_generate_what_one_process_and_transformers_do(tmp_path, spec):
+    model_dir = write_checkpoint(tmp_path / "model", spec)
+    prompts = prompts_sharing_a_prefix()
+    expected = transformers_greedy(model_dir, prompts, NUM_TOKENS)
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(str(model_dir), **OPTIONS) as one:
+        single = one.generate(requests, greedy)
+    with LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS) as two:
+        assert len(rank_processes()) == 1
+        split = two.generate(requests, greedy)
+    assert rank_processes() == []  # closing stopped rank 1
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single] == expected
+    # The shared prefix came from the cache for the prompts admitted after the first one's pages filled.
+    assert sum(o.num_cached_tokens for o in split) >= 8 * 24
+    for a, b in zip(single, split, strict=True):
+        for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert mine.token_id == theirs.token_id
+            assert abs(mine.logprob - theirs.logprob) <= 1e-4
+            assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_a_killed_rank_is_noticed_and_closing_leaves_no_rank(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "model", LLAMA_4Q_2KV)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert rank_processes() == llm.engine.ranks.pids
+        llm.engine.check_ranks()  # all there
+        os.kill(llm.engine.ranks.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60  # a hang guard: the kernel ends a killed process at once
+        with pytest.raises(RankLost, match=r"rank 1 \(pid \d+\) exited with status -9"):
+            while time.monotonic() < deadline:
+                llm.engine.check_ranks()
+                time.sleep(0.02)
+    finally:
+        llm.close()
+    assert rank_processes() == []
+
+
+def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "model", LLAMA_4Q_2KV)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads 4"):
+        LLM(str(model_dir), tensor_parallel_size=3)
+    assert rank_processes() == []

@@ -115,8 +115,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     liveness_timeout: Annotated[
         float,
         _doc(
-            "seconds without a load report (or a few of its recent engine steps, if longer) before a scheduler "
-            "gets no new requests and health says NOT_SERVING"
+            "seconds without a word from a scheduler (load reports between steps, keep-alives during a long one) "
+            "before it gets no new requests and health says NOT_SERVING"
         ),
     ] = 2.0
     log_level: Annotated[

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -25,6 +26,10 @@ from gpu_runtime.ipc.messages import (
 from gpu_runtime.ipc.peer_auth import PeerAuth
 
 _POLL_MS = 100  # how often a blocked thread looks at its stop flag (and the writer at its connection)
+# While the engine thread is inside one long step (a big prompt chunk on a slow machine can take seconds), the
+# writer sends a keep-alive this often, so the frontend does not take a busy scheduler for a stuck one. A stopped
+# process (SIGSTOP) sends nothing; an engine stuck inside a step is the daemon's stall watchdog's to kill.
+_KEEPALIVE_S = 0.1
 
 
 class FrontendDisconnected:
@@ -86,7 +91,9 @@ class OutputWriter(threading.Thread):
     """Encodes and sends what the engine thread puts in the outbox, in order.
 
     It also watches its connection to the frontend: when the frontend's end goes away (the frontend binds the
-    output socket for its whole life, so that means the process ended), it calls on_disconnect, once per loss.
+    output socket for its whole life, so that means the process ended), it calls on_disconnect, once per loss;
+    and between step_started and step_ended it sends the keep-alive message whenever nothing else went out for
+    _KEEPALIVE_S.
     """
 
     def __init__(
@@ -107,28 +114,43 @@ class OutputWriter(threading.Thread):
         self._codec = frontend_codec()
         self._on_disconnect = on_disconnect
         self._log = log
+        self._keepalive: ToFrontend | None = None  # set by the engine thread while it is inside a step
+        self._last_sent = time.monotonic()
 
     def send(self, message: ToFrontend) -> None:
         self._outbox.put(message)
 
+    def step_started(self, keepalive: ToFrontend) -> None:
+        self._keepalive = keepalive
+
+    def step_ended(self) -> None:
+        self._keepalive = None
+
     def run(self) -> None:
         while True:
             try:
-                message = self._outbox.get(timeout=_POLL_MS / 1000)
+                message = self._outbox.get(timeout=_KEEPALIVE_S)
             except queue.Empty:
                 self._watch_connection()
+                keepalive = self._keepalive
+                if keepalive is not None and time.monotonic() - self._last_sent >= _KEEPALIVE_S:
+                    self._send(keepalive)
                 continue
             if message is None:
                 break
             self._watch_connection()
-            try:
-                self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
-            except zmq.Again:
-                # The frontend is gone and its queue is full; it fails those requests itself when it returns.
-                self._log.warning("dropped_output", kind=type(message).__name__)
+            self._send(message)
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close()
+
+    def _send(self, message: ToFrontend) -> None:
+        self._last_sent = time.monotonic()
+        try:
+            self._socket.send(self._codec.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            # The frontend is gone and its queue is full; it fails those requests itself when it returns.
+            self._log.warning("dropped_output", kind=type(message).__name__)
 
     def close(self) -> None:
         """Sends everything queued so far, then stops."""

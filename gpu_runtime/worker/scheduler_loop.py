@@ -68,6 +68,8 @@ class SchedulerLoop:
         self._next_report = 0.0
         self._recent_step_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
         self._drain: DrainWorker | None = None  # set once the frontend said this worker is being retired
+        # No deltas: what the output thread sends during a long step, so the frontend hears this scheduler is busy.
+        self._keepalive = StepOutputs(spec.worker_id, self.incarnation, [])
         self._drain_deadline = 0.0
 
     def stop(self) -> None:
@@ -80,7 +82,9 @@ class SchedulerLoop:
             self._drain_inputs(wait_seconds=0.0 if busy else self.spec.load_report_interval_s)
             self.engine.check_ranks()  # a lost tensor-parallel rank ends this process: the daemon restarts the group
             if self.engine.has_unfinished_requests():
+                self._outbox.step_started(self._keepalive)
                 deltas = self.engine.step()
+                self._outbox.step_ended()
                 self._recent_step_seconds.append(self.engine.stats.last_step_seconds)
                 if self.engine.step_failure is not None:
                     self._log_step_failure(self.engine.step_failure)

@@ -1,0 +1,70 @@
+"""While the engine thread is inside one long step, the scheduler's output thread tells the frontend it is busy
+(an empty StepOutputs every 0.1 s when nothing else went out), so a big prompt chunk on a slow machine is not taken
+for a stuck scheduler: before this, the first such step after idle decodes outlasted the 2 s liveness timeout and
+the frontend failed every request queued behind it with 503 "no live scheduler". Over a real ipc:// socket."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import zmq
+
+from gpu_runtime.ipc.messages import LoadReport, StepOutputs, frontend_codec
+from gpu_runtime.worker.io_threads import OutputWriter
+
+KEEPALIVE = StepOutputs("model/0", "incarnation", [])
+
+
+def received(socket: zmq.Socket, seconds: float) -> list:
+    codec, messages = frontend_codec(), []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if socket.poll(int(left * 1000)):
+            messages.append(codec.decode(socket.recv()))
+    return messages
+
+
+def test_keepalives_flow_during_a_step_and_stop_after_it(tmp_path):
+    context = zmq.Context()
+    frontend = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/frontend.ipc"
+    frontend.bind(address)
+    writer = OutputWriter(context, address, structlog.get_logger())
+    writer.start()
+    try:
+        assert received(frontend, 0.5) == []  # idle: reports come from the loop, nothing from the writer
+        writer.step_started(KEEPALIVE)
+        during = received(frontend, 1.0)
+        writer.step_ended()
+        received(frontend, 0.2)  # one may have been on its way
+        after = received(frontend, 0.5)
+    finally:
+        writer.close()
+        frontend.close(linger=0)
+        context.term()
+    # Every 0.1 s of a one-second step: the liveness watch (2 s by default) hears from the scheduler throughout.
+    assert len(during) >= 3 and all(m == KEEPALIVE for m in during)
+    assert after == []
+
+
+def test_a_step_that_sends_outputs_needs_no_keepalive(tmp_path):
+    context = zmq.Context()
+    frontend = context.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/frontend.ipc"
+    frontend.bind(address)
+    writer = OutputWriter(context, address, structlog.get_logger())
+    writer.start()
+    report = LoadReport("model/0", "incarnation", 0, 0, 0, 0.0, 1, 0, 0, 0, 0, 0.0, 1.0, 0.0)
+    try:
+        writer.step_started(KEEPALIVE)
+        for _ in range(10):  # the loop's own messages, faster than the keep-alive interval
+            writer.send(report)
+            time.sleep(0.03)
+        writer.step_ended()
+        messages = received(frontend, 0.3)
+    finally:
+        writer.close()
+        frontend.close(linger=0)
+        context.term()
+    assert messages.count(report) == 10 and messages.count(KEEPALIVE) <= 1

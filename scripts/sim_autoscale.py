@@ -35,6 +35,7 @@ _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]  # the project's packages, then scripts/
 
 from autoscale_sim.cluster import Cluster  # noqa: E402
+from autoscale_sim.oracle import cheapest_oracle  # noqa: E402
 from autoscale_sim.plots import POLICIES, plot  # noqa: E402
 from autoscale_sim.policies import Limits, OngoingRequests, ReactiveTtft, Tokend, Utilisation  # noqa: E402
 from autoscale_sim.run import simulate  # noqa: E402
@@ -125,18 +126,24 @@ def make_policies(limits: Limits, model: StepTimeModel, warmup_s: float, args) -
     ]
 
 
-def checks(results: dict, warmups) -> list[dict]:
+def checks(results: dict, oracle: dict, warmups) -> list[dict]:
+    """The issue's bound per trace and warm-up time, and whether the clairvoyant oracle could meet it at all."""
     out = []
     for trace, by_policy in results.items():
         for warmup in warmups:
             util = by_policy["utilisation"]["by_warmup_s"][str(warmup)]
             ours = by_policy["tokend"]["by_warmup_s"][str(warmup)]
+            best = oracle[trace][str(warmup)]
             applies = util["ttft_attainment"] < 0.8
             ratio = ours["worker_seconds"] / util["worker_seconds"]
+            oracle_ratio = best["worker_seconds"] / util["worker_seconds"]
             out.append({"trace": trace, "warmup_s": warmup, "applies": applies,
                         "tokend_attainment": ours["ttft_attainment"], "utilisation_attainment": util["ttft_attainment"],
                         "worker_seconds_ratio": round(ratio, 3),
-                        "passes": (not applies) or (ours["ttft_attainment"] >= 0.95 and ratio <= 1.2)})  # fmt: skip
+                        "passes": (not applies) or (ours["ttft_attainment"] >= 0.95 and ratio <= 1.2),
+                        "oracle_attainment": best["ttft_attainment"],
+                        "oracle_worker_seconds_ratio": round(oracle_ratio, 3),
+                        "oracle_meets_bound": best["meets_goal"] and oracle_ratio <= 1.2})  # fmt: skip
     return out
 
 
@@ -149,6 +156,7 @@ def main(argv=None) -> int:
     limits = Limits(args.min_workers, args.max_workers, args.scale_down_delay_s, args.ttft_target_s)
     began = time.monotonic()
     results: dict = {}
+    oracle: dict = {}
     timelines, rates = {}, {}
     for trace_name in TRACES:
         trace = make_trace(trace_name, duration, prompt_tokens, output_tokens, args.seed)
@@ -157,12 +165,15 @@ def main(argv=None) -> int:
             bins[int(t // 10)] += 1
         rates[trace_name] = ([10 * i + 5 for i in range(len(bins))], [n / 10 for n in bins])
         results[trace_name] = {name: {"by_warmup_s": {}} for name in POLICIES}
+        oracle[trace_name] = {}
         for warmup in warmups:
             for policy in make_policies(limits, model, warmup, args):
                 cluster = Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, warmup)
                 summary = simulate(policy, trace, cluster, limits, record_every_s=5.0)
                 timelines[(trace_name, warmup, policy.name)] = summary.pop("timeline")
                 results[trace_name][policy.name]["by_warmup_s"][f"{warmup:g}"] = summary
+            cluster = lambda w=warmup: Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, w)  # noqa: E731
+            oracle[trace_name][f"{warmup:g}"] = cheapest_oracle(trace, cluster, limits, warmup, capacity)
     headline = 120.0 if 120.0 in warmups else warmups[0]
     for by_policy in results.values():
         for entry in by_policy.values():
@@ -188,7 +199,8 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "sim_seconds": None,
     }
-    output = {"traces": results, "checks": checks(results, [f"{w:g}" for w in warmups]), "params": params}
+    labels = [f"{w:g}" for w in warmups]
+    output = {"traces": results, "oracle": oracle, "checks": checks(results, oracle, labels), "params": params}
     if args.plot_dir:
         output["plots"] = plot(output, timelines, rates, args.plot_dir)
     params["sim_seconds"] = round(time.monotonic() - began, 1)

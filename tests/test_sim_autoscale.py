@@ -36,3 +36,29 @@ def test_smoke_run_reports_every_trace_and_policy(tmp_path):
     except ImportError:
         return
     assert {Path(p).name for p in report["plots"]} == {"autoscale-workers.png", "autoscale-attainment.png"}
+
+
+def test_the_oracle_meets_the_goal_for_no_more_worker_seconds_than_any_policy_that_meets_it():
+    # In-process on a 300 s step burst, 30 s warm-up: the clairvoyant yardstick the table's bound is judged by.
+    sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+    from autoscale_sim.cluster import Cluster
+    from autoscale_sim.oracle import cheapest_oracle
+    from autoscale_sim.policies import Limits
+    from autoscale_sim.run import simulate
+    from autoscale_sim.traces import make_trace
+    from sim_autoscale import make_policies, parse_args, size_requests
+
+    from common.autoscale_policy import StepTimeModel
+
+    args = parse_args(["--step-ms-base", "11.4", "--step-ms-per-token", "0.358"])
+    model = StepTimeModel(11.4, 0.358)
+    prompt, output, capacity = size_requests(model, args)
+    trace = make_trace("step_burst", 300.0, prompt, output, seed=0)
+    limits = Limits(args.min_workers, args.max_workers, args.scale_down_delay_s, args.ttft_target_s)
+    cluster = lambda: Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, 30.0)  # noqa: E731
+    oracle = cheapest_oracle(trace, cluster, limits, 30.0, capacity, goal=0.95)
+    assert oracle["meets_goal"] and oracle["ttft_attainment"] >= 0.95
+    for policy in make_policies(limits, model, 30.0, args):
+        run = simulate(policy, trace, cluster(), limits)
+        if run["ttft_attainment"] >= oracle["ttft_attainment"]:
+            assert oracle["worker_seconds"] <= run["worker_seconds"], policy.name

@@ -30,6 +30,19 @@ class Request:
     first_token_at: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ServingOverheads:
+    """What a serving stack adds to the engine's step time (sim_vs_daemon.py measures them on the daemon): each
+    request's way in and its first token's way out, the scheduler loop's share of each step, fixed and per
+    sequence in it, and how much slower than the fitted model its steps run (a machine shared with other work).
+    None by default: the autoscaling comparison is between policies on the same engine."""
+
+    request_s: float = 0.0
+    step_ms: float = 0.0
+    per_sequence_ms: float = 0.0
+    step_scale: float = 1.0
+
+
 @dataclass(eq=False, slots=True)
 class Worker:
     started_at: float
@@ -52,8 +65,10 @@ class Worker:
 
 
 class Cluster:
-    def __init__(self, model: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int, warmup_s: float):
+    def __init__(self, model: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int, warmup_s: float,
+                 overheads: ServingOverheads | None = None):  # fmt: skip
         self.model = model
+        self.overheads = overheads or ServingOverheads()
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.warmup_s = warmup_s
@@ -177,17 +192,19 @@ class Cluster:
         decodes = len(w.decode_ends)
         room = max(0, self.budget - decodes)
         prefilled = []
-        tokens = decodes
+        tokens, sequences = decodes, decodes
         for request in w.prefilling:
             if room <= 0:
                 break
+            sequences += 1
             chunk = min(room, request.prefill_left)
             request.prefill_left -= chunk
             room -= chunk
             tokens += chunk
             if request.prefill_left == 0:
                 prefilled.append(request)
-        seconds = self.model.step_ms(tokens) / 1e3
+        extra = self.overheads.step_ms + self.overheads.per_sequence_ms * sequences
+        seconds = (self.overheads.step_scale * self.model.step_ms(tokens) + extra) / 1e3
         end = at + seconds
         w.busy_s += seconds
         if decodes:
@@ -196,8 +213,8 @@ class Cluster:
                 heapq.heappop(w.decode_ends)
         for request in prefilled:
             w.prefilling.popleft()
-            request.first_token_at = end
-            self.ttfts.append((end, end - request.arrival))
+            request.first_token_at = end + self.overheads.request_s
+            self.ttfts.append((request.first_token_at, request.first_token_at - request.arrival))
             if request.output > 1:  # the first token came with the prefill
                 heapq.heappush(w.decode_ends, w.decode_steps + request.output - 1)
         return seconds

@@ -54,10 +54,11 @@ def make_trace(name: str, duration_s: float, prompt_tokens: int, output_tokens: 
         if t >= duration_s:
             return arrivals
         if rng.random() * HIGH < rate(t):
-            prompt = _length(rng, prompt_tokens, 16)
-            output = _length(rng, output_tokens, 4)
+            prompt = draw_length(rng, prompt_tokens, 16)
+            output = draw_length(rng, output_tokens, 4)
             arrivals.append((t, prompt, output))
 
 
-def _length(rng: random.Random, median: int, low: int) -> int:
+def draw_length(rng: random.Random, median: int, low: int) -> int:
+    """Log-normal around `median` (sigma 0.5), clipped to [low, 4 * median]."""
     return max(low, min(4 * median, round(median * math.exp(rng.gauss(0, 0.5)))))

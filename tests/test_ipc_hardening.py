@@ -151,6 +151,12 @@ class RecordingOutbox:
     def send(self, message) -> None:
         self.sent.append(message)
 
+    def step_started(self, keepalive) -> None:  # the output thread's keep-alives: none in a recording
+        pass
+
+    def step_ended(self) -> None:
+        pass
+
     def deltas(self, request_id: str) -> list[RequestDelta]:
         steps = [m for m in list(self.sent) if isinstance(m, StepOutputs)]
         return [d for m in steps for d in m.deltas if d.request_id == request_id]

@@ -127,6 +127,12 @@ class _RecordingOutbox:
     def send(self, message) -> None:
         self.sent.append(message)
 
+    def step_started(self, keepalive) -> None:  # the output thread's keep-alives: none in a recording
+        pass
+
+    def step_ended(self) -> None:
+        pass
+
 
 def test_the_scheduler_loop_sends_the_failure_and_logs_it(llama_dir, tmp_path):
     engine, fault = _engine(llama_dir)

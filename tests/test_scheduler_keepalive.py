@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import structlog
 import zmq
 
@@ -25,46 +26,41 @@ def received(socket: zmq.Socket, seconds: float) -> list:
     return messages
 
 
-def test_keepalives_flow_during_a_step_and_stop_after_it(tmp_path):
+@pytest.fixture
+def wired(tmp_path):
+    """(an OutputWriter, the frontend's PULL socket it sends to), over ipc://; both closed after the test."""
     context = zmq.Context()
     frontend = context.socket(zmq.PULL)
     address = f"ipc://{tmp_path}/frontend.ipc"
     frontend.bind(address)
     writer = OutputWriter(context, address, structlog.get_logger())
     writer.start()
-    try:
-        assert received(frontend, 0.5) == []  # idle: reports come from the loop, nothing from the writer
-        writer.step_started(KEEPALIVE)
-        during = received(frontend, 1.0)
-        writer.step_ended()
-        received(frontend, 0.2)  # one may have been on its way
-        after = received(frontend, 0.5)
-    finally:
-        writer.close()
-        frontend.close(linger=0)
-        context.term()
+    yield writer, frontend
+    writer.close()
+    frontend.close(linger=0)
+    context.term()
+
+
+def test_keepalives_flow_during_a_step_and_stop_after_it(wired):
+    writer, frontend = wired
+    assert received(frontend, 0.5) == []  # idle: reports come from the loop, nothing from the writer
+    writer.step_started(KEEPALIVE)
+    during = received(frontend, 1.0)
+    writer.step_ended()
+    received(frontend, 0.2)  # one may have been on its way
+    after = received(frontend, 0.5)
     # Every 0.1 s of a one-second step: the liveness watch (2 s by default) hears from the scheduler throughout.
     assert len(during) >= 3 and all(m == KEEPALIVE for m in during)
     assert after == []
 
 
-def test_a_step_that_sends_outputs_needs_no_keepalive(tmp_path):
-    context = zmq.Context()
-    frontend = context.socket(zmq.PULL)
-    address = f"ipc://{tmp_path}/frontend.ipc"
-    frontend.bind(address)
-    writer = OutputWriter(context, address, structlog.get_logger())
-    writer.start()
+def test_a_step_that_sends_outputs_needs_no_keepalive(wired):
+    writer, frontend = wired
     report = LoadReport("model/0", "incarnation", 0, 0, 0, 0.0, 1, 0, 0, 0, 0, 0.0, 1.0, 0.0)
-    try:
-        writer.step_started(KEEPALIVE)
-        for _ in range(10):  # the loop's own messages, faster than the keep-alive interval
-            writer.send(report)
-            time.sleep(0.03)
-        writer.step_ended()
-        messages = received(frontend, 0.3)
-    finally:
-        writer.close()
-        frontend.close(linger=0)
-        context.term()
+    writer.step_started(KEEPALIVE)
+    for _ in range(10):  # the loop's own messages, faster than the keep-alive interval
+        writer.send(report)
+        time.sleep(0.03)
+    writer.step_ended()
+    messages = received(frontend, 0.3)
     assert messages.count(report) == 10 and messages.count(KEEPALIVE) <= 1

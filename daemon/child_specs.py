@@ -24,6 +24,8 @@ class Slot:
     engine_device: str  # as its scheduler's engine names it ("cuda:0" under its CUDA_VISIBLE_DEVICES)
     cuda_visible_devices: str | None
     owner: str | None  # the model whose worker ran here last; None: a spare never used
+    cpu_cores: tuple[int, ...] = ()  # a pinned CPU group's cores ("cpu@0-1"); empty: not pinned
+    role: str = "mixed"  # of the workers started here: "prefill", "decode" or "mixed"
     failed: bool = False  # a worker started here later could not serve: nothing is started here again
 
 
@@ -34,10 +36,11 @@ def slots_of(config: ServeConfig) -> list[Slot]:
         group = groups_of_model.get(placement.model_name, 0)
         groups_of_model[placement.model_name] = group + 1
         slots.append(Slot(len(slots), str(group), placement.label, placement.engine_device,
-                          placement.cuda_visible_devices, placement.model_name))  # fmt: skip
+                          placement.cuda_visible_devices, placement.model_name, placement.cpu_cores,
+                          placement.role))  # fmt: skip
     for number, placement in enumerate(config.spare_placements()):
         slots.append(Slot(len(slots), f"spare{number}", placement.label, placement.engine_device,
-                          placement.cuda_visible_devices, None))  # fmt: skip
+                          placement.cuda_visible_devices, None, placement.cpu_cores, placement.role))  # fmt: skip
     return slots
 
 
@@ -63,10 +66,15 @@ def worker_spec(
         secret_path=str(runtime_dir / SECRET_FILE),
         engine=engine,
         log_level=config.log_level,
-        cpu_threads=config.scheduler_threads(len(config.scheduler_placements())),
+        cpu_threads=config.scheduler_threads(len(config.scheduler_placements()), slot.cpu_cores),
+        cpu_cores=list(slot.cpu_cores),
         cuda_visible_devices=slot.cuda_visible_devices,
         devices=slot.devices,
         collective_timeout_s=config.stall_timeout,
+        role=slot.role,
+        kv_address=f"ipc://{runtime_dir}/kv-{name}.ipc",
+        kv_lease_seconds=config.kv_lease_seconds,
+        kv_load_failure=config.kv_load_failure,
     )
 
 
@@ -106,6 +114,7 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
         listening_path=str(runtime_dir / "frontend.listening"),
         metrics_socket=str(runtime_dir / METRICS_SOCKET_FILE),
         control_address=f"ipc://{runtime_dir}/{FRONTEND_SOCKET_FILE}",
+        disagg_min_prompt_tokens=config.disagg_min_prompt_tokens,
         daemon_control_address=f"ipc://{runtime_dir}/{DAEMON_SOCKET_FILE}",
     )
 

@@ -88,14 +88,17 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     device: Annotated[
         str,
         _doc(
-            "auto (one scheduler per visible GPU, else one on the CPU), cpu, cuda, cuda:N; a list (cuda:0,cuda:1) "
-            "runs one scheduler each, each seeing only its GPU (CUDA_VISIBLE_DEVICES)"
+            "auto (one scheduler per visible GPU, else one on the CPU), cpu, cpu@N or cpu@N-M (bound to those "
+            "cores, a torch thread each), cuda, cuda:N; a list (cuda:0,cuda:1) runs one scheduler each, each seeing "
+            "only its GPU (CUDA_VISIBLE_DEVICES)"
         ),
     ] = "auto"
     # Threads that outnumber free cores wait on each other at every parallel op, hence the sharing.
     cpu_threads: Annotated[
-        int, _doc("torch threads per scheduler; 0: the cores left after one for the frontend and gateway, shared")
-    ] = 0
+        int,
+        _doc("torch threads per scheduler; 0: a pinned group's cores (cpu@0-3), else the cores left after one for "
+             "the frontend and gateway, shared"),
+    ] = 0  # fmt: skip
     drain_timeout: Annotated[float, _doc("seconds in-flight streams get to finish on SIGTERM")] = 30.0
     spare_devices: Annotated[
         str,
@@ -111,6 +114,19 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
              "and tokens so far go on on a new worker)"),
     ] = "abort"  # fmt: skip
     stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 30.0
+    disagg_min_prompt_tokens: Annotated[
+        int,
+        _doc("with prefill and decode pools (groups like cpu=prefill, cuda:1=decode): prompts shorter than this "
+             "go straight to a decode worker"),
+    ] = 64  # fmt: skip
+    kv_lease_seconds: Annotated[
+        float, _doc("seconds a prefill worker keeps a prompt's KV pages for a decode worker that has not pulled them")
+    ] = 30.0
+    kv_load_failure: Annotated[
+        Literal["recompute", "fail"],
+        _doc("when a decode worker cannot pull a prompt's pages: recompute the prompt there, or fail the request "
+             "(UNAVAILABLE, retryable)"),
+    ] = "recompute"  # fmt: skip
     # Its running requests wait on (the scheduler may resume) until stall_timeout kills it.
     liveness_timeout: Annotated[
         float,
@@ -151,7 +167,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         for key in ("drain_timeout", "stall_timeout", "rollout_drain_timeout"):
             value = getattr(self, key)
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
-        for key in ("liveness_timeout", "http_header_timeout"):
+        _check("disagg_min_prompt_tokens", _is_int(self.disagg_min_prompt_tokens) and self.disagg_min_prompt_tokens
+               >= 0, "an integer >= 0", self.disagg_min_prompt_tokens)  # fmt: skip
+        for key in ("liveness_timeout", "http_header_timeout", "kv_lease_seconds"):
             value = getattr(self, key)
             _check(key, _is_number(value) and value > 0, "seconds > 0", value)
         _check(
@@ -229,11 +247,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         spares = [d.strip() for d in self.spare_devices.split(",") if d.strip()]
         return place([("", spares)], [], [], visible_gpus(environ)) if spares else []
 
-    def scheduler_threads(self, num_schedulers: int) -> int:
-        """torch threads for each scheduler process: `cpu_threads`, or else the cores this process may run on,
-        less one for the frontend and the gateway, shared among the schedulers (at least one each)."""
+    def scheduler_threads(self, num_schedulers: int, pinned_cores: tuple[int, ...] = ()) -> int:
+        """torch threads for each scheduler process: `cpu_threads`; else one per core of a pinned group; else the
+        cores this process may run on, less one for the frontend and the gateway, shared among the schedulers (at
+        least one each)."""
         if self.cpu_threads:
             return self.cpu_threads
+        if pinned_cores:
+            return len(pinned_cores)
         cores = len(os.sched_getaffinity(0))
         return max(1, (cores - 1) // max(1, num_schedulers))
 

@@ -9,10 +9,18 @@ them: CUDA_VISIBLE_DEVICES when it is set (an operator's or a container runtime'
 its second entry, as torch would number it), else the NVIDIA kernel driver's /proc/driver/nvidia/gpus/ entries,
 one per GPU whenever the driver is loaded. That is a directory listing; `nvidia-smi -L` would start NVML in a
 subprocess, which costs a second and can hang on a wedged GPU.
+
+A CPU group may name its cores, `cpu@2` or `cpu@0-3` (vLLM's CPU backend binds its OpenMP threads the same way):
+the scheduler is bound to them and runs one torch thread per core, so two schedulers never fight over a core,
+the way two GPU groups never share a device.
+
+A group may end in its role: `cuda:0=prefill`, `cpu@1=decode` (disaggregated serving); without one it is
+`mixed`, running both parts of every request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -21,6 +29,7 @@ from pathlib import Path
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 _CUDA = re.compile(r"cuda(?::(\d+))?")
+_PINNED_CPU = re.compile(r"cpu@(\d+)(?:-(\d+))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +42,8 @@ class Placement:
     label: str  # the devices as configured, e.g. "cuda:1" or "cuda:0,cuda:1"
     engine_device: str  # as the scheduler's engine names it: "cuda:0" (under its CUDA_VISIBLE_DEVICES), "cpu"
     cuda_visible_devices: str | None  # for its environment; None leaves the daemon's (CPU schedulers)
+    cpu_cores: tuple[int, ...] = ()  # a pinned CPU group's cores ("cpu@0-1"); empty: wherever the daemon may run
+    role: str = "mixed"  # "prefill", "decode" or "mixed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +90,26 @@ def place(
     return placements
 
 
+ROLES = ("mixed", "prefill", "decode")
+
+
 def _place_group(index: int, name: str, key: str, group: str, visible: list[str] | None) -> list[Placement]:
+    group, _, role = group.partition("=")
+    role = role.strip() or "mixed"
+    if role not in ROLES:
+        raise ValueError(f"{key}: the role after '=' must be one of {', '.join(ROLES)}, got {role!r}")
+    return [dataclasses.replace(placement, role=role) for placement in _place_devices(index, name, key, group.strip(),
+                                                                                      visible)]  # fmt: skip
+
+
+def _place_devices(index: int, name: str, key: str, group: str, visible: list[str] | None) -> list[Placement]:
     if group == "auto":
         if not visible:
             return [Placement(index, name, key, "cpu", "cpu", None)]
         return [Placement(index, name, key, f"cuda:{i}", "cuda:0", gpu) for i, gpu in enumerate(visible)]
+    pinned = _PINNED_CPU.fullmatch(group)
+    if pinned:
+        return [Placement(index, name, key, group, "cpu", None, _pinned_cores(key, group, pinned))]
     parts = [part.strip() for part in group.split(",")]
     matches = [_CUDA.fullmatch(part) for part in parts]
     if not any(matches):
@@ -107,6 +133,34 @@ def _place_group(index: int, name: str, key: str, group: str, visible: list[str]
     gpus = [visible[i] if visible is not None else str(i) for i in indices]
     label = ",".join(f"cuda:{i}" for i in indices)
     return [Placement(index, name, key, label, "cuda:0", ",".join(gpus))]
+
+
+def _pinned_cores(key: str, group: str, match: re.Match) -> tuple[int, ...]:
+    """The cores of `cpu@N` or `cpu@N-M`, each one this process may run on. ValueError names the key."""
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if last < first:
+        raise ValueError(f"{key}: {group!r} names its cores low to high (cpu@{last}-{first})")
+    cores = tuple(range(first, last + 1))
+    allowed = os.sched_getaffinity(0)
+    outside = [core for core in cores if core not in allowed]
+    if outside:
+        raise ValueError(
+            f"{key}: {group!r} names core {outside[0]}, which tokend may not run on (its cores: "
+            f"{_cpulist(sorted(allowed))})"
+        )
+    return cores
+
+
+def _cpulist(cores: list[int]) -> str:
+    """Cores the way Linux lists them: 0-3,6."""
+    ranges: list[list[int]] = []
+    for core in cores:
+        if ranges and core == ranges[-1][1] + 1:
+            ranges[-1][1] = core
+        else:
+            ranges.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 def _check_shared_gpus(placements: list[Placement], shares: Sequence[ModelShare]) -> None:

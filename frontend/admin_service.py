@@ -114,6 +114,9 @@ class AdminService(pb_grpc.AdminServicer):
             worker_id=state.address.worker_id,
             state=str(state.worker_state),
             generation=state.generation,
-            role="mixed",
+            role=state.role,
             epoch=state.epoch,
+            num_used_pages=report.num_used_pages if report else 0,
+            num_pages=report.num_pages if report else 0,
+            kv_leases_held=report.kv_leases_held if report else 0,
         )

@@ -59,7 +59,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         admission: AdmissionController,
         tokenize: TokenizePool,
         log,
+        disagg_min_prompt_tokens: int = 64,
     ):
+        self._disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self._meter = meter
         self._admission = admission
         self._link = link
@@ -129,10 +131,18 @@ class GenerationService(pb_grpc.GenerationServicer):
             admission_began = time.monotonic()
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
             message = AddRequest(record_id, prepared.prompt_token_ids, prepared.sampling, priority, cache_salt(tenant))
-            stream = self._link.submit(scheduler, message, key[0] or None, cost)
+            prefill = self._prefill_worker(model_name, message)
+            if prefill is None:
+                stream = self._link.submit(scheduler, message, key[0] or None, cost)
+            else:  # its prompt first, on a prefill worker; its first token ends that part and brings the handover
+                first_part = msgspec.structs.replace(
+                    message, sampling=msgspec.structs.replace(message.sampling, max_tokens=1), do_remote_decode=True
+                )
+                stream = self._link.submit_prefill(prefill, scheduler, first_part, key[0] or None, cost)
             submitted = time.monotonic()
             self._phases[record_id] = RequestPhases(submitted - admission_began, submitted)
-            self._migrations[record_id] = Migration(message, [scheduler.generation])
+            first = stream.scheduler
+            self._migrations[record_id] = Migration(message, [first.generation], disaggregated=prefill is not None)
         except Shed:
             del self._record_ids[key]
             await self._meter.record_shed(record_id, request_id, key[0] or None, model_name, priority)
@@ -145,7 +155,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             request_id=request_id,
             record_id=record_id,
             model=model_name,
-            worker=scheduler.address.worker_id,
+            worker=stream.scheduler.address.worker_id,
+            decode_worker=stream.decode_on.address.worker_id if stream.decode_on is not None else None,
             priority=priority.label,
             prompt_tokens=len(message.prompt_token_ids),
             generation=scheduler.generation,
@@ -153,6 +164,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         record = self._meter.open(record_id, request_id, key[0] or None, model_name, priority)
         record.generation = scheduler.generation
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record
+
+    def _prefill_worker(self, model_name: str, message: AddRequest):
+        """The prefill worker a request's prompt goes to first, or None: the model has no prefill pool, or the
+        prompt is short (a handover would cost more than computing it beside the decodes), or the request wants a
+        single token (the prefill worker's answer is the whole request), or its sampling depends on every token
+        it generated (a seed's draws, penalties on output tokens), which a handover would restart."""
+        sampling = message.sampling
+        if (
+            len(message.prompt_token_ids) < self._disagg_min_prompt_tokens
+            or sampling.max_tokens <= 1
+            or sampling.seed is not None
+            or sampling.presence_penalty
+            or sampling.frequency_penalty
+        ):
+            return None
+        workers = self._link.routed_schedulers(model_name, 0.0, prefill=True)
+        return min(workers, key=lambda s: s.routing_key, default=None)
 
     async def _prompt_token_ids(self, request: pb.GenerateRequest, model, tokenizer) -> list[int]:
         """The prompt as token ids; text is tokenized on a worker thread, never on this loop."""
@@ -184,9 +212,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         migration = self._migrations.get(stream.request_id)
         while not builder.finished:
             deltas = await _next_deltas(stream)
+            handing_over = stream.decode_on is not None and _prefill_done(deltas[-1], migration)
             moving = deltas[-1].migrate and migration is not None and migration.tokens_left > 0
-            if moving:  # its worker retired mid-stream: the tokens so far go out, and the rest comes from another
+            if moving or handing_over:  # the tokens so far go out, and the rest comes from another worker
                 deltas[-1] = msgspec.structs.replace(deltas[-1], finish_reason=None, migrate=False)
+            kv_params = deltas[-1].kv_transfer_params
+            if stream.decode_on is not None and deltas[-1].finished:
+                self._link.end_prefill(stream)  # the first token ended the request (a stop token)
             deltas = migration.counted(deltas) if migration is not None else deltas
             now = time.monotonic()
             phases.on_deltas(deltas, now)
@@ -194,6 +226,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             chunk.generation = stream.scheduler.generation
             if moving:
                 await self._migrate(stream, migration, record)
+            elif handing_over:
+                self._hand_over(stream, migration, kv_params)
             self._meter.progress(record, builder.last_delta)
             if builder.stopped_by_string and not stream.finished:
                 self._link.abort(stream.request_id)  # the rest of the generation is unwanted
@@ -215,7 +249,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.on_finished(builder.model_name, arrived, last.num_prompt_tokens, last.num_output_tokens)
                 # Committed before the client can see the end: no finished request is ever missing from the ledger.
                 reason = builder.finish_reason
-                chunk.migrated = migration is not None and migration.moved
+                chunk.migrated = migration is not None and migration.migrated
                 await self._close(stream, record, status_of(reason), reason, builder.last_delta)
             yield chunk
 
@@ -235,6 +269,22 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._log.info("request_migrated", record_id=stream.request_id, worker=target.address.worker_id,
                        generation=target.generation, tokens_so_far=migration.carried)  # fmt: skip
         self._link.resubmit(stream, target, message)
+
+    def _hand_over(self, stream: RequestStream, migration: Migration, kv_params) -> None:
+        """Sends the rest of a disaggregated request to its decode worker (the one admission chose, or another if
+        that one went away meanwhile), with where its prompt's pages wait."""
+        decode = self._link.end_prefill(stream)
+        if decode is None or not decode.takes_new_requests:
+            targets = self._link.routed_schedulers(stream.scheduler.address.model_name, 0.0)
+            if not targets:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker took the request over; retry")
+            decode = min(targets, key=lambda s: s.routing_key)
+        prefill = stream.scheduler
+        message = migration.continuation(decode.generation, kv_params)
+        pages = len(kv_params.remote_block_ids) if kv_params else 0
+        self._log.debug("request_handed_over", record_id=stream.request_id, prefill=prefill.address.worker_id,
+                        decode=decode.address.worker_id, pages=pages)  # fmt: skip
+        self._link.resubmit(stream, decode, message)
 
     def _finish(self, stream: RequestStream, builder: ChunkBuilder, record: UsageRecord, outcome: str) -> None:
         """A request that did not run to its end is aborted, and metered once its scheduler has said what it
@@ -317,6 +367,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                 )
             )
         return pb.ListModelsResponse(models=models)
+
+
+def _prefill_done(delta: RequestDelta, migration: Migration | None) -> bool:
+    """Whether a prefill worker's delta ends its part with tokens still to generate elsewhere."""
+    return (
+        delta.finish_reason is FinishReason.LENGTH
+        and delta.num_output_tokens == 1
+        and migration is not None
+        and migration.tokens_left > 0
+    )
 
 
 async def _next_deltas(stream: RequestStream) -> list[RequestDelta]:

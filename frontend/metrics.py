@@ -59,6 +59,24 @@ class FrontendMetrics:
         self.num_preemptions = Counter(
             "tokend:num_preemptions", "Sequences preempted to free KV pages", scheduler, registry=r
         )
+        # Disaggregated serving, counted on the decode workers that pull (vLLM's NIXL connector reports the same).
+        self.kv_transfer_pages = Counter(
+            "tokend:kv_transfer_pages", "KV pages pulled from prefill workers", scheduler, registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "tokend:kv_transfer_bytes", "Bytes of KV pages pulled from prefill workers", scheduler, registry=r
+        )
+        self.kv_transfer_seconds = Counter(
+            "tokend:kv_transfer_seconds", "Seconds spent pulling KV pages from prefill workers", scheduler, registry=r
+        )
+        self.kv_transfer_failures = Counter(
+            "tokend:kv_transfer_failures", "KV page pulls that failed (then recomputed or failed)", scheduler,
+            registry=r,
+        )  # fmt: skip
+        self.kv_leases_held = Gauge(
+            "tokend:kv_leases_held", "Prompts whose KV pages a prefill worker keeps for a decode worker", scheduler,
+            registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter("tokend:prompt_tokens", "Prompt tokens of finished requests", model, registry=r)
         self.generation_tokens = Counter(
             "tokend:generation_tokens", "Tokens generated, aborted requests included", model, registry=r
@@ -168,7 +186,7 @@ class FrontendMetrics:
             self.admission_queue_depth.labels(priority.label).set(0)
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
-        self._last_counts: dict[tuple[str, str], tuple[str, int, int, int]] = {}
+        self._last_counts: dict[tuple[str, str], tuple[str, tuple[float, ...]]] = {}
 
     def serve(self, host: str, port: int, token_sha256: str = "") -> None:
         start_metrics_server(host, port, self.registry, token_sha256)
@@ -193,23 +211,28 @@ class FrontendMetrics:
         self.projected_ttft_seconds.labels(*labels).set(report.projected_ttft_seconds)
         self.scheduler_up.labels(*labels).set(1)
         self.iteration_tokens.observe(labels, report)
-        incarnation, queries, hits, preemptions = self._last_counts.get(labels, (report.incarnation, 0, 0, 0))
-        if incarnation != report.incarnation:  # a restarted scheduler counts from zero again
-            queries = hits = preemptions = 0
-        self.prefix_cache_queries.labels(*labels).inc(report.prefix_query_tokens - queries)
-        self.prefix_cache_hits.labels(*labels).inc(report.prefix_hit_tokens - hits)
-        self.num_preemptions.labels(*labels).inc(report.num_preemptions - preemptions)
-        self._last_counts[labels] = (
-            report.incarnation,
-            report.prefix_query_tokens,
-            report.prefix_hit_tokens,
-            report.num_preemptions,
+        self.kv_leases_held.labels(*labels).set(report.kv_leases_held)
+        counters = (
+            (self.prefix_cache_queries, report.prefix_query_tokens),
+            (self.prefix_cache_hits, report.prefix_hit_tokens),
+            (self.num_preemptions, report.num_preemptions),
+            (self.kv_transfer_pages, report.kv_pulled_pages),
+            (self.kv_transfer_bytes, report.kv_pulled_bytes),
+            (self.kv_transfer_seconds, report.kv_pull_seconds),
+            (self.kv_transfer_failures, report.kv_pull_failures),
         )
+        incarnation, before = self._last_counts.get(labels, (report.incarnation, (0,) * len(counters)))
+        if incarnation != report.incarnation:  # a restarted scheduler counts from zero again
+            before = (0,) * len(counters)
+        for (counter, total), last in zip(counters, before, strict=True):
+            counter.labels(*labels).inc(max(0, total - last))
+        self._last_counts[labels] = (report.incarnation, tuple(total for _, total in counters))
 
     def scheduler_lost(self, model_name: str, group: str) -> None:
         """A dead scheduler holds nothing: its gauges go back to their baseline."""
         labels = (model_name, group)
-        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc):
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                      self.kv_leases_held):  # fmt: skip
             gauge.labels(*labels).set(0)
         self.projected_ttft_seconds.labels(*labels).set(0)
         self.scheduler_up.labels(*labels).set(0)

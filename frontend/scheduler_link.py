@@ -77,6 +77,7 @@ class SchedulerState:
     requests: set[str] = field(default_factory=set)
     reserved: int = 0  # slots admission gave to requests on their way to submit()
     monitor_task: asyncio.Task | None = None
+    last_role: str = "mixed"
     # Outputs that came before this frontend had the scheduler's proven ready: the final counts of requests of a
     # frontend that died, sent before the scheduler noticed. Replayed once a genuine ready names their sender.
     unproven: collections.deque[StepOutputs] = field(default_factory=lambda: collections.deque(maxlen=256))
@@ -97,6 +98,11 @@ class SchedulerState:
     @property
     def generation(self) -> str:
         return self.ready.generation if self.ready is not None else ""
+
+    @property
+    def role(self) -> str:
+        """ "prefill", "decode" or "mixed" (as its SchedulerReady said)."""
+        return self.ready.role if self.ready is not None else "mixed"
 
     @property
     def projected_ttft_seconds(self) -> float:
@@ -122,6 +128,8 @@ class RequestStream:
     cost: int = 0  # prompt + max_tokens: what admission charged its tenant at dispatch
     finished: bool = False  # the scheduler sent its final delta
     lost: bool = False  # the scheduler died (or the frontend gave up on it): no final delta will come
+    # While a prefill worker computes its prompt: the decode worker admission chose, its slot held until then.
+    decode_on: SchedulerState | None = None
 
 
 class SchedulerLink:
@@ -169,14 +177,18 @@ class SchedulerLink:
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def ready_schedulers(self, model_name: str) -> list[SchedulerState]:
-        """The model's schedulers that may take a new request: serving, ready, and live."""
-        return [s for s in self.schedulers if s.address.model_name == model_name and s.takes_new_requests]
+    def ready_schedulers(self, model_name: str, prefill: bool = False) -> list[SchedulerState]:
+        """The model's schedulers that may take a new request: serving, ready, and live; those that generate
+        (decode and mixed workers), or with `prefill` its prefill workers."""
+        return [
+            s for s in self.schedulers
+            if s.address.model_name == model_name and s.takes_new_requests and (s.role == "prefill") == prefill
+        ]  # fmt: skip
 
-    def routed_schedulers(self, model_name: str, draw: float) -> list[SchedulerState]:
+    def routed_schedulers(self, model_name: str, draw: float, prefill: bool = False) -> list[SchedulerState]:
         """The ready schedulers a new request may go to: the newest serving weights, or a canary's share (`draw`
         in [0, 1) is the request's own)."""
-        return self.worker_set.route(model_name, self.ready_schedulers(model_name), draw)
+        return self.worker_set.route(model_name, self.ready_schedulers(model_name, prefill), draw)
 
     def expects_capacity(self, model_name: str) -> bool:
         """True while a rollout of the model is under way: a moment with no serving worker is planned, not lost."""
@@ -194,6 +206,25 @@ class SchedulerLink:
         scheduler.requests.add(message.request_id)
         self._send(scheduler, message)
         return stream
+
+    def submit_prefill(
+        self, prefill: SchedulerState, decode: SchedulerState, message: AddRequest, tenant: str | None, cost: int
+    ) -> RequestStream:
+        """Starts a disaggregated request on `prefill`, keeping the slot admission gave it on `decode`."""
+        stream = RequestStream(message.request_id, prefill, tenant=tenant, priority=message.priority, cost=cost)
+        stream.decode_on = decode
+        self._streams[message.request_id] = stream
+        prefill.requests.add(message.request_id)
+        self._send(prefill, message)
+        return stream
+
+    def end_prefill(self, stream: RequestStream) -> SchedulerState | None:
+        """The prefill part is over: the decode worker's held slot is given back to the count (the request takes
+        it now, or never); returns that worker."""
+        decode, stream.decode_on = stream.decode_on, None
+        if decode is not None:
+            decode.reserved = max(0, decode.reserved - 1)
+        return decode
 
     def resubmit(self, stream: RequestStream, scheduler: SchedulerState, message: AddRequest) -> None:
         """Moves a stream whose worker retired mid-request to `scheduler`, where `message` continues it."""
@@ -214,6 +245,7 @@ class SchedulerLink:
         """The handler is done with the stream (deltas that still arrive for it are dropped)."""
         self._streams.pop(stream.request_id, None)
         stream.scheduler.requests.discard(stream.request_id)
+        self.end_prefill(stream)
 
     def fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
@@ -404,7 +436,7 @@ class SchedulerLink:
             self._lose(state, f"the scheduler of model {state.address.model_name!r} restarted; retry")
         if state.ready is None:
             self._log.info("scheduler_ready", worker=message.worker_id, pid=message.pid, generation=message.generation)
-            state.ready = message
+            state.ready, state.last_role = message, message.role
             if state.worker_state == WorkerState.DRAINING:  # it was told before this frontend existed, or not at all
                 view = self.worker_set
                 self._send(state, DrainWorker(view.drain_timeout_s, view.on_drain_timeout))

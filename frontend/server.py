@@ -72,7 +72,8 @@ async def serve(spec: FrontendSpec, log) -> None:
             ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it
         ],
     )
-    generation = GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log)
+    generation = GenerationService(link, models, lifecycle, metrics, meter, admission, tokenize, log,
+                                   spec.disagg_min_prompt_tokens)  # fmt: skip
     pb_grpc.add_GenerationServicer_to_server(generation, server)
     admin = AdminService(link, lifecycle, ledger.path)
     pb_grpc.add_AdminServicer_to_server(admin, server)

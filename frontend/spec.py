@@ -133,6 +133,8 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "" = none: the schedulers above are the whole, fixed set.
     control_address: str = ""  # ipc:// this process binds
     daemon_control_address: str = ""  # ipc:// the daemon binds
+    # A model with prefill and decode workers sends prompts at least this long to a prefill worker first.
+    disagg_min_prompt_tokens: int = 64
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

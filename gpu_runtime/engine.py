@@ -21,6 +21,7 @@ from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
+from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.memory_profile import load_model_and_pool
 from gpu_runtime.model.config import load_capped_model_config
 from gpu_runtime.model.tensor_parallel import check_divisible
@@ -78,6 +79,8 @@ class LLMEngine:
         self.generation = model_generation(model_dir)
         salt = f"{self.model_name}:{self.generation}".encode()
         self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt)
+        # Prompts' pages pinned for decode workers to pull (a prefill worker's; disaggregated serving).
+        self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
         self.runner = ModelRunner(model, pool, self.device, channel)
         self.sampler = Sampler()
@@ -237,7 +240,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """Asserts the page pool's invariants against every live sequence (AssertionError if broken)."""
-        self.kv.check_integrity(self.scheduler.running + self.scheduler.held + self.scheduler.waiting)
+        sequences = self.scheduler.running + self.scheduler.held + self.scheduler.waiting
+        self.kv.check_integrity(sequences, self.leases.page_lists())
 
     def export_prefix(self, token_ids: list[int]) -> PageExport:
         """The K/V of the longest cached prefix of `token_ids`, as tensors plus page hashes."""

@@ -3,8 +3,10 @@ JSON (and a plot with --plot). The issue's bound: TTFT p90 during the swap <= 1.
 
     .venv/bin/python scripts/bench_rollout.py [--quick] [--out rollout.json] [--plot rollout.png]
 
-For each strategy, one daemon serving A: surge with `--spare-devices cpu` (B starts on the spare group, then A's
-worker drains), in-place with `--device cpu,cpu` (one group at a time drains and restarts on B). It keeps
+For each strategy, one daemon serving A: surge with `--device cpu@0 --spare-devices cpu@1` (B starts on the spare
+group, then A's worker drains), in-place with `--device cpu@0,cpu@1` (one group at a time drains and restarts on
+B). Each group is one core, as each would be one GPU on a GPU box; `--groups shared` runs every group on all the
+cores instead (`--device cpu`, `--spare-devices cpu`), where B's load and warm-up take A's cores. It keeps
 --long-streams greedy ignore_eos streams of --long-tokens running (each restarts as it ends) and sends short
 requests (--short-tokens) at Poisson arrivals of --rate per second. TTFT (Generate sent to the first chunk with
 tokens) of the short requests is measured over --steady-seconds before the Rollout call ("steady") and from the
@@ -39,7 +41,11 @@ from daemon.local_daemon import LocalDaemon  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402
 
-STRATEGY_FLAGS = {"surge": ["--spare-devices", "cpu"], "in-place": ["--device", "cpu,cpu"]}
+STRATEGY_FLAGS = {
+    "pinned": {"surge": ["--device", "cpu@0", "--spare-devices", "cpu@1"], "in-place": ["--device", "cpu@0,cpu@1"]},
+    "shared": {"surge": ["--device", "cpu", "--spare-devices", "cpu"], "in-place": ["--device", "cpu,cpu"]},
+}
+STRATEGIES = ("surge", "in-place")
 FULL = dict(long_streams=16, long_tokens=2000, steady_seconds=60.0, warmup_seconds=10.0, tail_seconds=5.0)
 QUICK = dict(long_streams=4, long_tokens=300, steady_seconds=10.0, warmup_seconds=2.0, tail_seconds=2.0)
 ROLLOUT_TIMEOUT_S = 1200.0  # longer than the daemon's default rollout_drain_timeout (600 s), per group
@@ -110,7 +116,7 @@ async def measure(address: str, new_path: str, strategy: str, args: argparse.Nam
 
 
 def run_strategy(strategy: str, models: dict[str, Path], args: argparse.Namespace) -> dict:
-    flags = ["--model", str(models["A"]), "--served-model-name", MODEL, *STRATEGY_FLAGS[strategy]]
+    flags = ["--model", str(models["A"]), "--served-model-name", MODEL, *STRATEGY_FLAGS[args.groups][strategy]]
     log(f"{strategy}: starting a daemon on A")
     with LocalDaemon(*flags, env={"TOKEND_DEBUG": "0"}) as daemon:
         log(f"{strategy}: daemon serving A; {args.long_streams} long streams of {args.long_tokens} tokens")
@@ -140,6 +146,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"a reduced run (under ~2 minutes): {QUICK}")
     parser.add_argument("--strategies", default="surge,in-place", help="comma-separated: surge, in-place")
+    parser.add_argument(
+        "--groups",
+        choices=sorted(STRATEGY_FLAGS),
+        default="pinned",
+        help="pinned: each group one core (cpu@0, cpu@1), as a GPU each; shared: all cores each",
+    )
     parser.add_argument("--long-streams", type=int, help=f"default {FULL['long_streams']}")
     parser.add_argument("--long-tokens", type=int, help=f"default {FULL['long_tokens']}")
     parser.add_argument("--steady-seconds", type=float, help=f"default {FULL['steady_seconds']}")
@@ -155,9 +167,11 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = set(args.strategies) - set(STRATEGY_FLAGS)
+    unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
-        parser.error(f"--strategies: unknown {sorted(unknown)}; choose from {sorted(STRATEGY_FLAGS)}")
+        parser.error(f"--strategies: unknown {sorted(unknown)}; choose from {sorted(STRATEGIES)}")
+    if args.groups == "pinned" and not {0, 1} <= os.sched_getaffinity(0):
+        parser.error("--groups pinned needs cores 0 and 1; use --groups shared")
     return args
 
 
@@ -174,7 +188,7 @@ def main() -> int:
     result = {
         "benchmark": "rollout",
         "quick": args.quick,
-        "workload": {key: getattr(args, key) for key in (*FULL, "rate", "short_tokens", "seed")},
+        "workload": {key: getattr(args, key) for key in (*FULL, "rate", "short_tokens", "seed", "groups")},
         "strategies": summaries,
         "machine": {**machine_facts(), "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg()},
     }

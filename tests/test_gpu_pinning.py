@@ -174,3 +174,60 @@ def test_tensor_parallel_ranks_take_one_gpu_each_of_their_group(tmp_path, monkey
     expected = "tensor_parallel_size: 2 ranks need a group of 2 GPUs, one each, but models[0].groups gives a the group"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)} 'cuda:0,cuda:1,cuda:2' of 3"):
         _load(tmp_path, toml, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+
+
+def test_a_cpu_group_names_its_cores_and_runs_a_torch_thread_on_each(tmp_path, monkeypatch):
+    core = min(os.sched_getaffinity(0))
+    config = _load(tmp_path, f'device = "cpu@{core}"\nspare_devices = "cpu@{core}-{core}"\n', {})
+    [spec] = scheduler_specs(config, tmp_path)
+    assert (spec.engine.device, spec.cpu_cores, spec.cpu_threads) == ("cpu", [core], 1)
+    assert [p.cpu_cores for p in config.spare_placements()] == [(core,)]
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [("cpu@3-1", "device: 'cpu@3-1' names its cores low to high"), ("cpu@4096", "device: 'cpu@4096' names core 4096")],
+)
+def test_cpu_cores_that_cannot_be_used_are_refused_naming_the_key(tmp_path, device, expected):
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}"):
+        _load(tmp_path, f'device = "{device}"\n', {})
+
+
+def _allowed_cores(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return re.search(r"^Cpus_allowed_list:\s*(\S+)$", status, re.MULTILINE).group(1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_daemon_on_two_pinned_cpu_groups_binds_each_scheduler_to_its_core(tmp_path):
+    """Two CPU groups, one core each: each scheduler process (and so every torch thread in it) may run only on
+    its core, with one torch thread, and both serve."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    with Daemon("--device", f"cpu@{first},cpu@{second}") as daemon:
+        ready = {e["worker"]: (e["cpu_cores"], e["torch_threads"]) for e in daemon.log_entries("engine_ready")}
+        model = next(iter(ready)).split("/")[0]
+        assert ready == {f"{model}/0": ([first], 1), f"{model}/1": ([second], 1)}
+        pids = daemon.child_pids("tokend: scheduler")
+        assert sorted(_allowed_cores(pid) for pid in pids) == sorted([str(first), str(second)])
+
+        def stream(seed: int) -> str:
+            request = pb.GenerateRequest(
+                prompt=f"prompt {seed}", sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+            )
+            return list(daemon.generation.Generate(request, timeout=60))[-1].finish_reason
+
+        with ThreadPoolExecutor(8) as pool:
+            assert set(pool.map(stream, range(8))) == {"length"}
+
+
+def test_a_group_names_its_role_and_each_scheduler_is_told(tmp_path, monkeypatch):
+    toml = '[[models]]\nname = "a"\ngroups = ["cuda:0=prefill", "cuda:1 = decode", "cuda:2"]\n'
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    config = _load(tmp_path, toml, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    specs = scheduler_specs(config, tmp_path)
+    assert [(s.worker_id, s.cuda_visible_devices, s.role) for s in specs] == [
+        ("a/0", "0", "prefill"), ("a/1", "1", "decode"), ("a/2", "2", "mixed")
+    ]  # fmt: skip
+    assert len({s.kv_address for s in specs}) == 3 and all(s.kv_address.startswith("ipc://") for s in specs)
+    with pytest.raises(ValueError, match=r"^models\[0\]\.groups: the role after '=' must be one of mixed, prefill, "):
+        _load(tmp_path, '[[models]]\nname = "a"\ngroups = ["cuda:0=prefil"]\n', {"CUDA_VISIBLE_DEVICES": "0"})

@@ -15,6 +15,19 @@ from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
 # -- frontend -> scheduler --------------------------------------------------------------------------------
 
 
+class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a prompt's computed KV pages wait for a decode worker to pull them (vLLM's names, so operators
+    recognise them): a prefill worker answers its request's first token with these, and the frontend sends them
+    on with the rest of the request. The pages stay pinned there under a lease until pulled or expired."""
+
+    remote_engine_id: str  # the prefill worker's id
+    remote_request_id: str  # the lease: the request whose prompt the pages hold
+    remote_address: str  # ipc:// where the prefill worker serves pulls
+    remote_block_ids: list[int]  # its pages, prompt order
+    remote_page_hashes: list[bytes]  # their content hashes: the decode worker skips pages it already holds
+    remote_num_tokens: int  # prompt tokens the pages hold (full pages only)
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -22,6 +35,11 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=T
     priority: Priority
     # Folded into the hash of the prompt's first page: requests with different salts never share cached pages.
     cache_salt: str = ""
+    # Prefill only (a prefill worker's part of a disaggregated request): keep the prompt's pages under a lease
+    # once the first token is out, and answer with KVTransferParams on the final delta.
+    do_remote_decode: bool = False
+    # The decode worker's part: pull these pages first, then run the request as a prefix hit on them.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
@@ -81,6 +99,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # With FinishReason.ABORT: the worker was retired mid-stream (a rollout's drain timeout, on_drain_timeout
     # migrate); the frontend goes on with the prompt and these tokens on a serving worker.
     migrate: bool = False
+    # On a do_remote_decode request's final delta: where its prompt's pages wait (None: nothing to pull, e.g. the
+    # first token was a stop token, or the prompt filled no page).
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -116,6 +137,7 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     chat_template: str | None = None
     generation: str = ""  # the weights it serves (common.generation): named in every chunk and ledger row
     max_num_batched_tokens: int = 0  # a step's token budget (the autoscaler's capacity model reads it)
+    role: str = "mixed"  # "prefill", "decode" or "mixed" (both): which part of a request the frontend sends here
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):
@@ -144,6 +166,13 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     iteration_tokens_sum: int = 0
     generation: str = ""
     draining: bool = False  # it got DrainWorker: it finishes what it runs and exits
+    # Disaggregated serving, cumulative since the process started: pages (and their bytes) this worker pulled
+    # from prefill workers, the seconds the pulls took, pulls that failed; leases it holds for decode workers now.
+    kv_pulled_pages: int = 0
+    kv_pulled_bytes: int = 0
+    kv_pull_seconds: float = 0.0
+    kv_pull_failures: int = 0
+    kv_leases_held: int = 0
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport

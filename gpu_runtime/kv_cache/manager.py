@@ -131,9 +131,10 @@ class KVCacheManager:
 
     # -- checks -----------------------------------------------------------------------------------------
 
-    def check_integrity(self, sequences: list[Sequence]) -> None:
-        """Every page is free, cached or owned, and reference counts equal the owners (AssertionError if not)."""
-        self.allocator.check_integrity([seq.page_ids for seq in sequences])
+    def check_integrity(self, sequences: list[Sequence], pinned: list[list[int]] = ()) -> None:
+        """Every page is free, cached or owned, and reference counts equal the owners: the sequences, and `pinned`
+        page lists (leases) (AssertionError if not)."""
+        self.allocator.check_integrity([seq.page_ids for seq in sequences] + list(pinned))
         for seq in sequences:
             assert seq.num_registered_pages <= len(seq.page_ids), f"{seq.request_id} registered pages it lacks"
             assert len(seq.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"

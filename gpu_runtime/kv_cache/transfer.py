@@ -21,6 +21,9 @@ class PageExport:
     page_hashes: list[bytes]  # chained content hashes, one per page, prefix order
     keys: torch.Tensor  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
     values: torch.Tensor
+    # Which pages of the chain the tensors hold, in order; None: all of them. A decode worker pulls only the
+    # pages it lacks, so its export is partial: the rest must be cached here already.
+    positions: list[int] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -38,14 +41,22 @@ def export_pages(kv: KVCacheManager, pool: KVPool, match: PrefixMatch) -> PageEx
 def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
     """Writes exported pages into this pool's prefix cache; returns how many pages it had to write.
 
-    Pages already cached here are skipped. Imported pages end up free and cached, so they cost nothing
-    until a request uses them and are evicted like any other cached page. Raises ValueError if the
-    export does not fit this pool (page size, or not enough free pages).
+    Pages already cached here are skipped. The chain is imported up to its first page that is neither cached here
+    nor in the export (a partial export whose other pages were evicted meanwhile): a page past a gap could never
+    be a prefix hit. Imported pages end up free and cached, so they cost nothing until a request uses them and are
+    evicted like any other cached page. Raises ValueError if the export does not fit this pool (page size, or not
+    enough free pages).
     """
     if export.page_size != kv.page_size:
         raise ValueError(f"page_size: export has {export.page_size}, this pool {kv.page_size}")
     allocator = kv.allocator
-    chain = [allocator.lookup(h) for h in export.page_hashes]  # None where this pool lacks the page
+    carried = {position: row for row, position in enumerate(export.positions or range(export.num_pages))}
+    chain: list[int | None] = []  # this pool's page per chain position; None: to be written from the export
+    for position, content_hash in enumerate(export.page_hashes):
+        page = allocator.lookup(content_hash)
+        if page is None and position not in carried:
+            break
+        chain.append(page)
     missing = [i for i, page in enumerate(chain) if page is None]
     present = [page for page in chain if page is not None]
     revived = sum(1 for page in present if allocator.is_evictable(page))
@@ -54,11 +65,12 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
     for page in present:  # pinned while allocating, so making room cannot evict the chain's own pages
         allocator.share(page)
     pages = allocator.allocate(len(missing))
-    index = torch.tensor(missing, dtype=torch.long)
-    target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
-    for layer, (k, v) in enumerate(pool.layers):
-        k.index_copy_(0, target, export.keys[layer].index_select(0, index).to(k.device, k.dtype))
-        v.index_copy_(0, target, export.values[layer].index_select(0, index).to(v.device, v.dtype))
+    if pages:
+        index = torch.tensor([carried[i] for i in missing], dtype=torch.long)
+        target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
+        for layer, (k, v) in enumerate(pool.layers):
+            k.index_copy_(0, target, export.keys[layer].index_select(0, index).to(k.device, k.dtype))
+            v.index_copy_(0, target, export.values[layer].index_select(0, index).to(v.device, v.dtype))
     for page, i in zip(pages, missing, strict=True):
         allocator.register(page, export.page_hashes[i])
         chain[i] = page

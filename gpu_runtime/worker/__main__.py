@@ -29,11 +29,14 @@ def main(argv: list[str]) -> int:
         log.error("secret_unreadable", error=str(error))
         return _EXIT_FAILED
 
+    if spec.cpu_cores:  # before torch starts its thread pool, so every thread it makes inherits the binding
+        os.sched_setaffinity(0, spec.cpu_cores)
     import torch  # loads here, after the title is set
 
     from gpu_runtime.engine import LLMEngine
     from gpu_runtime.tp.rank_group import RankLost
     from gpu_runtime.worker.engine_start import DEVICE_START_ERRORS, engine_config_on_device, start_failure
+    from gpu_runtime.worker.handover import Handover
     from gpu_runtime.worker.io_threads import FrontendDisconnected, InputReader, OutputWriter
     from gpu_runtime.worker.scheduler_loop import SchedulerLoop
     from gpu_runtime.worker.warm_up import warm_up
@@ -54,6 +57,7 @@ def main(argv: list[str]) -> int:
     log.info("engine_ready", model=engine.model_name, device=str(engine.device), dtype=str(engine.dtype),
              attention_backend=engine.attention_backend, torch_threads=torch.get_num_threads(),
              cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), devices=spec.devices,
+             cpu_cores=sorted(os.sched_getaffinity(0)) if spec.cpu_cores else None,
              **engine.memory.as_log_fields())  # fmt: skip
 
     context = zmq.Context()
@@ -61,7 +65,11 @@ def main(argv: list[str]) -> int:
     reader = InputReader(context, spec.input_address, inbox, auth, log)
     # The output thread tells the engine thread through the inbox: only the engine thread touches the engine.
     writer = OutputWriter(context, spec.output_address, log, on_disconnect=lambda: inbox.put(FrontendDisconnected()))
-    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log)
+    handover = Handover(engine, context, inbox, log, worker_id=spec.worker_id, kv_address=spec.kv_address,
+                        lease_seconds=spec.kv_lease_seconds, load_failure=spec.kv_load_failure)  # fmt: skip
+    if spec.role == "prefill":
+        handover.start_server()
+    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log, handover)
     Path(spec.heartbeat_path).touch()  # from here on the loop keeps it fresh
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())
@@ -81,9 +89,10 @@ def main(argv: list[str]) -> int:
     finally:
         engine.close()  # its other tensor-parallel ranks, if any
     reader.stop()
+    handover.close()
     writer.close()
     reader.join(timeout=2)
-    context.term()
+    context.destroy(linger=0)  # the KV threads' sockets too, wherever they are
     log.info("scheduler_stopped", exit_code=exit_code)
     return exit_code
 

@@ -25,7 +25,10 @@ from gpu_runtime.ipc.messages import (
     ToScheduler,
 )
 from gpu_runtime.ipc.peer_auth import PeerAuth
+from gpu_runtime.kv_transfer.puller import PagesPulled
+from gpu_runtime.kv_transfer.server import LeasePulled
 from gpu_runtime.step_failure import StepOutOfMemory
+from gpu_runtime.worker.handover import Handover
 from gpu_runtime.worker.io_threads import FrontendDisconnected, OutputWriter
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -53,8 +56,12 @@ class SchedulerLoop:
         outbox: OutputWriter,
         auth: PeerAuth,
         log,
+        handover: Handover | None = None,
     ):
         self.spec = spec
+        # Disaggregated serving's part here (leases on a prefill worker, pulls on a decode worker); None: neither,
+        # and a request that names pages elsewhere is simply computed here whole.
+        self.handover = handover
         self.engine = engine
         self.incarnation = uuid.uuid4().hex
         self._inbox = inbox
@@ -80,6 +87,8 @@ class SchedulerLoop:
         while not self._stopping.is_set():
             busy = self.engine.has_unfinished_requests()
             self._drain_inputs(wait_seconds=0.0 if busy else self.spec.load_report_interval_s)
+            if self.handover is not None:
+                self.handover.expire()
             self.engine.check_ranks()  # a lost tensor-parallel rank ends this process: the daemon restarts the group
             if self.engine.has_unfinished_requests():
                 self._outbox.step_started(self._keepalive)
@@ -88,24 +97,48 @@ class SchedulerLoop:
                 self._recent_step_seconds.append(self.engine.stats.last_step_seconds)
                 if self.engine.step_failure is not None:
                     self._log_step_failure(self.engine.step_failure)
-                if deltas:
-                    self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
+                self._send_deltas(deltas)
             self._report_when_due()
             if self._drain is not None:
                 self._drain_when_done()
 
+    def _send_deltas(self, deltas: list[RequestDelta]) -> None:
+        if self.handover is not None:
+            deltas = self.handover.finished(deltas)
+        if deltas:
+            self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
+
+    def _has_work(self) -> bool:
+        """Requests running here, or waiting for their pages, or pages leased to a decode worker."""
+        if self.engine.has_unfinished_requests():
+            return True
+        return self.handover is not None and (self.handover.has_pending or len(self.handover.leases) > 0)
+
+    def _unfinished_ids(self) -> list[str]:
+        pending = self.handover.pending_ids() if self.handover is not None else []
+        return self.engine.unfinished_request_ids() + pending
+
+    def _end(self, request_id: str) -> RequestDelta | None:
+        """Aborts a request wherever it is here (running, queued, or waiting for its pages); its final delta."""
+        delta = self.engine.abort_request(request_id)
+        if self.handover is not None:
+            pending = self.handover.abort(request_id)
+            delta = delta or pending
+        return delta
+
     def _drain_when_done(self) -> None:
-        """A draining worker stops once nothing runs here; past its timeout, it ends what still runs first."""
-        if self.engine.has_unfinished_requests() and time.monotonic() >= self._drain_deadline:
+        """A draining worker stops once nothing runs here and it holds no lease; past its timeout, it ends what
+        still runs first (a lease then lasts until it is pulled or expires)."""
+        if self._unfinished_ids() and time.monotonic() >= self._drain_deadline:
             migrate = self._drain.on_timeout == "migrate"
             deltas = []
-            for request_id in self.engine.unfinished_request_ids():
-                delta = self.engine.abort_request(request_id)
+            for request_id in self._unfinished_ids():
+                delta = self._end(request_id)
                 if delta is not None:
                     deltas.append(msgspec.structs.replace(delta, migrate=migrate))
             self._log.warning("drain_timeout", ended=len(deltas), action=self._drain.on_timeout)
-            self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
-        if not self.engine.has_unfinished_requests():
+            self._send_deltas(deltas)
+        if not self._has_work():
             self._log.info("drained", detail="every stream ended; exiting")
             self._report_when_due(force=True)
             self.stop()
@@ -135,8 +168,7 @@ class SchedulerLoop:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 message = None
-        if deltas:
-            self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
+        self._send_deltas(deltas)
 
     def _apply_safely(self, message: ToScheduler | FrontendDisconnected) -> list[RequestDelta]:
         """_apply, except that a message the engine chokes on costs that message only, not every request here."""
@@ -149,7 +181,7 @@ class SchedulerLoop:
             # One traceback per kind of failure: a peer repeating a bad message must not flood the log.
             self._log.error("message_failed", message=type(message).__name__, error_type=kind, error=str(error)[:200],
                             exc_info=first)  # fmt: skip
-            if isinstance(message, AddRequest) and message.request_id not in self.engine.unfinished_request_ids():
+            if isinstance(message, AddRequest) and message.request_id not in self._unfinished_ids():
                 num_prompt = len(message.prompt_token_ids)
                 reason = f"the scheduler failed on this request ({kind})"
                 return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, reason)]
@@ -162,11 +194,16 @@ class SchedulerLoop:
         if isinstance(message, FrontendDisconnected):
             self._orphan_all("frontend_disconnected")
             return []
+        if isinstance(message, LeasePulled):
+            self.handover.lease_pulled(message)
+            return []
+        if isinstance(message, PagesPulled):
+            return self.handover.pulled(message, self._add)
         if self._frontend_id is None:
             self._log.warning("dropped_before_hello", kind=type(message).__name__)
             return []
         if isinstance(message, AddRequest):
-            return self._add(message)
+            return self.handover.add(message, self._add) if self.handover is not None else self._add(message)
         if isinstance(message, DrainWorker):
             if self._drain is None:
                 self._drain = message
@@ -175,7 +212,7 @@ class SchedulerLoop:
                                timeout_s=message.timeout_s, on_timeout=message.on_timeout)  # fmt: skip
             return []
         if isinstance(message, AbortRequests):
-            aborted = [self.engine.abort_request(request_id) for request_id in message.request_ids]
+            aborted = [self._end(request_id) for request_id in message.request_ids]
             deltas = [delta for delta in aborted if delta is not None]
             for delta in deltas:
                 self._log.info(
@@ -209,13 +246,21 @@ class SchedulerLoop:
 
     def _orphan_all(self, reason: str) -> None:
         """Aborts every request (their frontend is gone) and keeps their final counts for the next frontend."""
-        orphans = self.engine.unfinished_request_ids()
+        orphans = self._unfinished_ids()
         for request_id in orphans:
-            delta = self.engine.abort_request(request_id)
+            delta = self._end(request_id)
             if delta is not None:
                 self._orphan_finals.append(delta)
         if orphans:
             self._log.info("orphans_aborted", reason=reason, aborted=len(orphans))
+
+    def _handover_load(self) -> dict:
+        if self.handover is None:
+            return {}
+        stats = self.handover.stats
+        return dict(kv_pulled_pages=stats.pulled_pages, kv_pulled_bytes=stats.pulled_bytes,
+                    kv_pull_seconds=stats.pull_seconds, kv_pull_failures=stats.pull_failures,
+                    kv_leases_held=len(self.handover.leases))  # fmt: skip
 
     # -- outputs --------------------------------------------------------------------------------------------
 
@@ -238,6 +283,7 @@ class SchedulerLoop:
             chat_template=engine.chat_template,
             generation=engine.generation,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            role=self.spec.role,
         )
 
     def _report_when_due(self, force: bool = False) -> None:
@@ -268,6 +314,7 @@ class SchedulerLoop:
                 iteration_tokens_sum=self.engine.stats.iteration_tokens_sum,
                 generation=self.engine.generation,
                 draining=self._drain is not None,
+                **self._handover_load(),
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

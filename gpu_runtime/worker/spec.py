@@ -20,6 +20,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     engine: EngineConfig
     log_level: str = "info"
     cpu_threads: int = 0  # torch threads (torch.set_num_threads); 0 leaves torch's default
+    cpu_cores: list[int] = []  # a pinned CPU group's cores: the process binds itself to them before torch loads
     load_report_interval_s: float = 0.2
     # The daemon sets it in this process's environment (None: the daemon's own, as for CPU schedulers), so that
     # engine.device "cuda:0" is this scheduler's own first GPU; carried here too for the logs.
@@ -28,6 +29,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Under tensor parallelism, how long a collective waits for the other ranks: the daemon's stall_timeout, so a
     # hung rank fails the step about when the watchdog would have killed the stalled scheduler anyway.
     collective_timeout_s: float = 30.0
+    # Disaggregated serving: "prefill" (runs prompts, leases their pages to decode workers), "decode" (pulls
+    # them, then generates) or "mixed" (both parts of every request).
+    role: str = "mixed"
+    kv_address: str = ""  # ipc:// a prefill worker serves pulls on (in the daemon's private directory)
+    kv_lease_seconds: float = 30.0  # a lease no decode worker pulled is released after this
+    kv_load_failure: str = "recompute"  # a pull that fails: "recompute" the prompt here, or "fail" the request
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

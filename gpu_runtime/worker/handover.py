@@ -1,0 +1,201 @@
+"""Disaggregated serving inside one scheduler process: the prefill side's leases and KV server, the decode side's
+pulls. The scheduler loop calls it at its step boundaries; everything here that touches the engine runs on the
+engine thread, the socket work on the server and puller threads.
+
+A prefill worker runs a `do_remote_decode` request (its frontend asked for one token), and when that first token
+ends it, pins the prompt's full pages under a lease and puts KVTransferParams on the final delta. A decode worker
+given `kv_transfer_params` pulls the pages it lacks (by hash) while it keeps stepping, imports them into its
+prefix cache, and only then admits the request, which finds its prompt cached except the last partial page.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from gpu_runtime.engine import LLMEngine
+from gpu_runtime.ipc.enums import FinishReason
+from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
+from gpu_runtime.kv_cache.transfer import PageExport, import_pages
+from gpu_runtime.kv_transfer.puller import KVPuller, PagesPulled, PullJob
+from gpu_runtime.kv_transfer.server import KVServer, LeasePulled
+
+
+@dataclass(slots=True)
+class HandoverStats:
+    pulled_pages: int = 0
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
+    pull_failures: int = 0
+
+
+@dataclass(slots=True)
+class _PendingPull:
+    message: AddRequest
+    hashes: list[bytes]
+    positions: list[int]  # the chain positions pulled (the others were cached here)
+    started: float = field(default_factory=time.monotonic)
+
+
+class Handover:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        context: zmq.Context,
+        inbox: queue.Queue,
+        log,
+        *,
+        worker_id: str,
+        kv_address: str,
+        lease_seconds: float,
+        load_failure: str,
+    ):
+        self.engine = engine
+        self._context = context
+        self._inbox = inbox
+        self._log = log
+        self._worker_id = worker_id
+        self._kv_address = kv_address
+        self._load_failure = load_failure  # "recompute" | "fail"
+        self._lease_seconds = lease_seconds
+        self.leases = engine.leases
+        self.stats = HandoverStats()
+        self._prefills: dict[str, AddRequest] = {}  # do_remote_decode requests running here
+        self._pulls: dict[str, _PendingPull] = {}  # requests waiting for their pages
+        self._server: KVServer | None = None
+        self._puller: KVPuller | None = None
+
+    def start_server(self) -> None:
+        """Prefill workers serve pulls (on the private ipc:// address the daemon gave them)."""
+        self._server = KVServer(self._context, self._kv_address, self.engine.runner.pool, self.leases, self._inbox,
+                                self._log)  # fmt: skip
+        self._server.start()
+
+    def close(self) -> None:
+        for thread in (self._server, self._puller):
+            if thread is not None:
+                thread.stop()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pulls)
+
+    def pending_ids(self) -> list[str]:
+        return list(self._pulls)
+
+    # -- requests in ------------------------------------------------------------------------------------------
+
+    def add(self, message: AddRequest, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
+        """Admits the request now, or once its pages are pulled."""
+        if message.do_remote_decode:
+            self._prefills[message.request_id] = message
+        params = message.kv_transfer_params
+        if params is None or not self.engine.config.enable_prefix_caching:
+            return admit(message)
+        own = self.engine.kv.hasher.hash_tokens(message.prompt_token_ids[: params.remote_num_tokens],
+                                                message.cache_salt)  # fmt: skip
+        if own != params.remote_page_hashes or len(params.remote_block_ids) != len(own):
+            # Other weights (a rollout between the two hops) or another tokenisation: its pages would be wrong here.
+            self._log.warning("kv_transfer_mismatch", request_id=message.request_id, remote=params.remote_engine_id)
+            return admit(message)
+        allocator = self.engine.kv.allocator
+        positions = [i for i, content_hash in enumerate(own) if allocator.lookup(content_hash) is None]
+        if not positions:
+            return admit(message)  # every page is cached here already: nothing to move
+        if self._puller is None:
+            pool_bytes = 2 * sum(k.numel() * k.element_size() for k, _ in self.engine.runner.pool.layers)
+            self._puller = KVPuller(self._context, self._inbox, self._lease_seconds, pool_bytes + (1 << 20))
+            self._puller.start()
+        self._pulls[message.request_id] = _PendingPull(message, own, positions)
+        page_ids = [params.remote_block_ids[i] for i in positions]
+        self._puller.pull(PullJob(message.request_id, params.remote_address, params.remote_request_id, page_ids))
+        return []
+
+    def pulled(self, result: PagesPulled, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
+        """A pull ended: its pages go into the prefix cache and the request is admitted (or, if the pull failed,
+        recomputed or failed as kv_load_failure says)."""
+        pending = self._pulls.pop(result.request_id, None)
+        if pending is None:
+            return []  # aborted while its pages travelled
+        message = pending.message
+        error = result.error
+        if not error:
+            export = PageExport(self.engine.kv.page_size, pending.hashes, result.keys, result.values, pending.positions)
+            try:
+                import_pages(self.engine.kv, self.engine.runner.pool, export)
+            except ValueError as refused:  # not enough free pages here right now
+                error = f"import: {refused}"
+        if error:
+            self.stats.pull_failures += 1
+            self._log.warning("kv_pull_failed", request_id=message.request_id, error=error,
+                              action=self._load_failure)  # fmt: skip
+            if self._load_failure == "fail":
+                num_prompt = len(message.prompt_token_ids)
+                reason = f"the prompt's KV pages could not be moved to the decode worker ({error}); retry"
+                return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, reason,
+                                     retryable=True)]  # fmt: skip
+            return admit(message)
+        self.stats.pulled_pages += len(pending.positions)
+        self.stats.pulled_bytes += result.num_bytes
+        self.stats.pull_seconds += result.seconds
+        self._log.debug("kv_pulled", request_id=message.request_id, pages=len(pending.positions),
+                        bytes=result.num_bytes, seconds=round(result.seconds, 4))  # fmt: skip
+        return admit(message)
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Ends a request still waiting for its pages (its final delta), or releases a lease of that id (the
+        frontend gave up on the decode hop); None if neither."""
+        self.leases.release(request_id)
+        pending = self._pulls.pop(request_id, None)
+        if pending is None:
+            return None
+        num_prompt = len(pending.message.prompt_token_ids)
+        return RequestDelta(request_id, [], None, FinishReason.ABORT, num_prompt, 0, 0)
+
+    # -- after a step -----------------------------------------------------------------------------------------
+
+    def finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Puts KVTransferParams on the final delta of each prefill whose first token did not end it for good."""
+        if not self._prefills:
+            return deltas
+        out = []
+        for delta in deltas:
+            message = self._prefills.get(delta.request_id) if delta.finished else None
+            if message is not None:
+                del self._prefills[delta.request_id]
+                if delta.finish_reason is FinishReason.LENGTH and delta.num_output_tokens == 1:
+                    delta = self._lease(message, delta)
+            out.append(delta)
+        return out
+
+    def _lease(self, message: AddRequest, delta: RequestDelta) -> RequestDelta:
+        page_ids, hashes = self.leases.grant(message.request_id, message.prompt_token_ids, message.cache_salt,
+                                             self._lease_seconds)  # fmt: skip
+        if not page_ids:
+            return delta  # the prompt filled no page (or caching is off): the decode worker computes it all
+        params = KVTransferParams(
+            remote_engine_id=self._worker_id,
+            remote_request_id=message.request_id,
+            remote_address=self._kv_address,
+            remote_block_ids=page_ids,
+            remote_page_hashes=hashes,
+            remote_num_tokens=len(page_ids) * self.engine.kv.page_size,
+        )
+        return msgspec.structs.replace(delta, kv_transfer_params=params)
+
+    def forget(self, request_id: str) -> None:
+        """A prefill request ended some other way (aborted, failed): no lease will be asked for."""
+        self._prefills.pop(request_id, None)
+
+    def lease_pulled(self, message: LeasePulled) -> None:
+        self.leases.release(message.lease_id)
+
+    def expire(self) -> None:
+        expired = self.leases.expire()
+        if expired:
+            self._log.warning("kv_leases_expired", count=len(expired), detail="no decode worker pulled them")

@@ -1,0 +1,201 @@
+"""Prefill and decode pools: a daemon with one prefill and one decode worker (`--device cpu=prefill,cpu=decode`)
+hands each long prompt's KV pages from the first to the second, and its clients cannot tell: the same greedy
+tokens and counts as a daemon of `mixed` workers, over gRPC and the gateway; nothing leaks when requests are
+cancelled at any point; a lease nobody pulls expires. The transport here is ZeroMQ (NIXL is not installed)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import msgspec
+import openai
+import pytest
+import zmq
+from daemon_harness import Daemon
+
+from gpu_runtime.kv_transfer.wire import PullPages
+from tokend.v1 import tokend_pb2 as pb
+
+MIN_PROMPT = 16  # --disagg-min-prompt-tokens: shorter prompts go straight to the decode worker
+PD_FLAGS = ("--device", "cpu=prefill,cpu=decode", "--disagg-min-prompt-tokens", str(MIN_PROMPT))
+
+
+def _request(prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+
+def _generate(daemon: Daemon, request: pb.GenerateRequest) -> tuple[list[int], str, str, tuple[int, int]]:
+    chunks = list(daemon.generation.Generate(request, timeout=120))
+    usage = chunks[-1].usage
+    tokens = [t for c in chunks for t in c.token_ids]
+    return (
+        tokens,
+        "".join(c.text for c in chunks),
+        chunks[-1].finish_reason,
+        (usage.prompt_tokens, usage.completion_tokens),
+    )
+
+
+def _prompts(count: int, seed: int, longest: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randint(1, longest))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def disaggregated():
+    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "3") as daemon:
+        yield daemon
+
+
+def _loads(daemon: Daemon) -> dict[str, pb.SchedulerLoad]:
+    return {s.role: s for s in daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers}
+
+
+def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggregated):
+    """200 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
+    usage equal the mixed daemon's, and every prompt of MIN_PROMPT tokens or more went through a handover."""
+    prompts = _prompts(200, seed=7, longest=1500)
+    requests = [_request(p, max_tokens=6, ignore_eos=i % 2 == 0) for i, p in enumerate(prompts)]
+    with Daemon() as mixed, ThreadPoolExecutor(6) as pool:
+        expected = list(pool.map(lambda r: _generate(mixed, r), requests))
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda r: _generate(disaggregated, r), requests))
+    mismatched = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g]
+    assert not mismatched, [(len(prompts[i]), expected[i], got[i]) for i in mismatched[:3]]
+
+    admitted = disaggregated.log_entries("request_admitted")
+    handed = [e for e in admitted if e.get("decode_worker")]
+    long_prompts = sum(len(p) >= MIN_PROMPT for p in prompts)
+    assert len(handed) >= long_prompts  # every long prompt started on the prefill worker
+    assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed)
+    assert disaggregated.metric("tokend:kv_transfer_pages_total") > 0
+    assert disaggregated.metric("tokend:kv_transfer_failures_total") == 0
+    roles = _loads(disaggregated)
+    assert sorted(roles) == ["decode", "prefill"]
+
+
+def test_the_gateway_serves_disaggregated_requests_as_the_mixed_daemon_does(disaggregated):
+    """The official openai client against the gateway: the text and usage equal the mixed daemon's over gRPC."""
+    prompts = _prompts(24, seed=8, longest=1200)
+    with Daemon() as mixed:
+        expected = [_generate(mixed, _request(p, max_tokens=8)) for p in prompts]
+    with openai.OpenAI(base_url=f"{disaggregated.http_url}/v1", api_key="unused", max_retries=0) as client:
+        for prompt, (_, text, reason, usage) in zip(prompts, expected, strict=True):
+            chunks = list(
+                client.completions.create(
+                    model="tokend-tiny-random",
+                    prompt=prompt,
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+            )
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+            assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == usage
+
+
+def _cancel_some(daemon: Daemon, prompts: list[list[int]], seed: int) -> int:
+    """Runs every prompt, cancelling about a third at a random moment (some before their first token, during
+    the prefill or the handover); returns how many were cancelled."""
+    rng = random.Random(seed)
+    plan = [(p, rng.randint(2, 24), rng.random() < 1 / 3, rng.uniform(0.0, 0.3)) for p in prompts]
+
+    def one(item) -> bool:
+        prompt, max_tokens, cancel, after = item
+        call = daemon.generation.Generate(_request(prompt, max_tokens), timeout=120)
+        if not cancel:
+            list(call)
+            return False
+        time.sleep(after)
+        call.cancel()
+        try:
+            list(call)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.CANCELLED
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        return sum(pool.map(one, plan))
+
+
+def _settled(daemon: Daemon, baseline: dict[str, int]) -> bool:
+    loads = _loads(daemon)
+    return all(
+        loads[role].num_used_pages == used and loads[role].kv_leases_held == 0 and loads[role].num_running == 0
+        for role, used in baseline.items()
+    )
+
+
+def test_cancelled_requests_leave_no_page_and_no_lease_on_either_side(disaggregated):
+    """1,000 requests, a third cancelled at random points: used pages on both workers return to their baseline
+    and no lease is left, within the lease time."""
+    baseline = {"prefill": 0, "decode": 0}  # idle workers hold no page: cached pages are free ones
+    disaggregated.wait_for(lambda: _settled(disaggregated, baseline), timeout=30)  # the earlier tests' last leases
+    cancelled = _cancel_some(disaggregated, _prompts(1000, seed=9, longest=400), seed=10)
+    assert 250 < cancelled < 420
+    try:
+        disaggregated.wait_for(lambda: _settled(disaggregated, baseline), timeout=30)
+    except AssertionError:
+        raise AssertionError(f"baseline {baseline}, now {_loads(disaggregated)}") from None
+    assert _generate(disaggregated, _request(_prompts(1, 11, 300)[0], 4))[2] == "length"  # and it still serves
+
+
+def test_garbage_on_the_kv_socket_costs_nothing(disaggregated):
+    """A peer that writes junk (and a pickle) to the prefill worker's pull socket is dropped; pulls go on."""
+    socket_path = next(disaggregated.runtime_dir().glob("kv-*.ipc"))
+    context = zmq.Context()
+    try:
+        for frames in ([b"\x80\x04junk"], [b"\x93\x01\x02\x03"], [b"a", b"b", b"c"]):
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(f"ipc://{socket_path}")
+            dealer.send_multipart(frames)
+            dealer.close()
+        # A well-formed pull of a lease that does not exist is refused, by name.
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"ipc://{socket_path}")
+        dealer.send(msgspec.msgpack.encode(PullPages("nope", [0])))
+        assert dealer.poll(10_000)
+        assert b"nope" in dealer.recv()
+        dealer.close()
+    finally:
+        context.term()
+    before = disaggregated.metric("tokend:kv_transfer_pages_total")
+    tokens = _generate(disaggregated, _request(_prompts(1, 12, 200)[0], 4))[0]
+    assert len(tokens) == 4
+    disaggregated.wait_for(lambda: disaggregated.metric("tokend:kv_transfer_pages_total") > before, timeout=10)
+
+
+def test_a_lease_of_a_decode_worker_that_died_expires_and_frees_the_prefill_side():
+    """The decode worker is stopped, so a request's handover waits on it with the prefill worker's lease held;
+    then it is killed: the stream ends UNAVAILABLE, the lease expires after kv_lease_seconds and the prefill
+    worker's pages return to their baseline; the daemon restarts the decode worker, which serves again."""
+    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "2", "--liveness-timeout", "30") as daemon:
+        baseline = _loads(daemon)["prefill"].num_used_pages
+        [decode_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 1")
+        os.kill(decode_pid, signal.SIGSTOP)
+        call = daemon.generation.Generate(_request(_prompts(1, 13, 300)[0], max_tokens=8), timeout=120)
+        first = next(call)  # the prefill worker's first token comes out at once
+        assert len(first.token_ids) == 1
+        daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 1, timeout=10)
+        os.kill(decode_pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 0, timeout=15)
+        assert _loads(daemon)["prefill"].num_used_pages == baseline
+        assert daemon.log_entries("kv_leases_expired")
+        daemon.wait_for(
+            lambda: (loads := _loads(daemon)).get("decode") is not None and loads["decode"].ready, timeout=60
+        )
+        assert _generate(daemon, _request(_prompts(1, 14, 300)[0], 4))[2] == "length"

@@ -75,6 +75,7 @@ def worker_spec(
         kv_address=f"ipc://{runtime_dir}/kv-{name}.ipc",
         kv_lease_seconds=config.kv_lease_seconds,
         kv_load_failure=config.kv_load_failure,
+        kv_transfer_transport=config.kv_transfer_transport,
     )
 
 

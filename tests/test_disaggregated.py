@@ -1,7 +1,7 @@
 """Prefill and decode pools: a daemon with one prefill and one decode worker (`--device cpu=prefill,cpu=decode`)
 hands each long prompt's KV pages from the first to the second, and its clients cannot tell: the same greedy
 tokens and counts as a daemon of `mixed` workers, over gRPC and the gateway; nothing leaks when requests are
-cancelled at any point; a lease nobody pulls expires. The transport here is ZeroMQ (NIXL is not installed)."""
+cancelled at any point; a lease nobody pulls expires. Each with the ZeroMQ transport, and NIXL's where it imports."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 import zmq
 from daemon_harness import Daemon
 
+from gpu_runtime.kv_transfer.nixl_transport import nixl_available
 from gpu_runtime.kv_transfer.wire import PullPages
 from tokend.v1 import tokend_pb2 as pb
 
@@ -47,32 +48,71 @@ def _prompts(count: int, seed: int, longest: int) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(rng.randint(1, longest))] for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
-def disaggregated():
-    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "3") as daemon:
+TRANSPORTS = ["zmq", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed"))]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def disaggregated(request):
+    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "3", "--kv-transfer-transport", request.param) as daemon:
         yield daemon
+
+
+@pytest.mark.parametrize(("on_failure", "outcome"), [("recompute", "length"), ("fail", grpc.StatusCode.UNAVAILABLE)])
+def test_a_pull_that_fails_is_recomputed_or_fails_as_configured(on_failure, outcome):
+    """Leases that expire at once: every pull is refused, and kv_load_failure says what the request gets."""
+    flags = (*PD_FLAGS, "--kv-lease-seconds", "0.001", "--kv-load-failure", on_failure)
+    prompt = _prompts(1, 15, 400)[0]
+    with Daemon() as mixed:
+        expected = _generate(mixed, _request(prompt, 8))
+    with Daemon(*flags) as daemon:
+        if outcome == "length":
+            assert _generate(daemon, _request(prompt, 8)) == expected
+        else:
+            with pytest.raises(grpc.RpcError) as failed:
+                _generate(daemon, _request(prompt, 8))
+            assert (
+                failed.value.code() == outcome and "could not be moved to the decode worker" in failed.value.details()
+            )
+        assert daemon.log_entries("kv_pull_failed")[0]["action"] == on_failure
+        daemon.wait_for(lambda: daemon.metric("tokend:kv_transfer_failures_total") >= 1, timeout=5)
 
 
 def _loads(daemon: Daemon) -> dict[str, pb.SchedulerLoad]:
     return {s.role: s for s in daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers}
 
 
-def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggregated):
-    """200 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
-    usage equal the mixed daemon's, and every prompt of MIN_PROMPT tokens or more went through a handover."""
-    prompts = _prompts(200, seed=7, longest=1500)
-    requests = [_request(p, max_tokens=6, ignore_eos=i % 2 == 0) for i, p in enumerate(prompts)]
+PROMPTS = _prompts(200, seed=7, longest=1500)
+MAX_TOKENS = 6
+
+
+def _ignores_eos(index: int) -> bool:
+    return index % 2 == 0  # the others may stop at EOS, on either worker
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What a daemon of mixed workers answers to PROMPTS over gRPC: (tokens, text, finish reason, usage) each, and
+    its ledger's totals."""
+    requests = [_request(p, MAX_TOKENS, _ignores_eos(i)) for i, p in enumerate(PROMPTS)]
     with Daemon() as mixed, ThreadPoolExecutor(6) as pool:
-        expected = list(pool.map(lambda r: _generate(mixed, r), requests))
+        return list(pool.map(lambda r: _generate(mixed, r), requests)), mixed.usage_report()
+
+
+def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggregated, reference):
+    """200 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
+    usage equal the mixed daemon's, the ledger's totals too (one row per request), and every prompt of MIN_PROMPT
+    tokens or more went through a handover."""
+    expected, expected_usage = reference
+    requests = [_request(p, MAX_TOKENS, _ignores_eos(i)) for i, p in enumerate(PROMPTS)]
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(lambda r: _generate(disaggregated, r), requests))
     mismatched = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g]
-    assert not mismatched, [(len(prompts[i]), expected[i], got[i]) for i in mismatched[:3]]
+    assert not mismatched, [(len(PROMPTS[i]), expected[i], got[i]) for i in mismatched[:3]]
+    assert disaggregated.usage_report() == expected_usage
 
     admitted = disaggregated.log_entries("request_admitted")
     handed = [e for e in admitted if e.get("decode_worker")]
-    long_prompts = sum(len(p) >= MIN_PROMPT for p in prompts)
-    assert len(handed) >= long_prompts  # every long prompt started on the prefill worker
+    assert len(handed) == sum(len(p) >= MIN_PROMPT for p in PROMPTS)  # every long prompt, and only those
     assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed)
     assert disaggregated.metric("tokend:kv_transfer_pages_total") > 0
     assert disaggregated.metric("tokend:kv_transfer_failures_total") == 0
@@ -80,27 +120,31 @@ def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggre
     assert sorted(roles) == ["decode", "prefill"]
 
 
-def test_the_gateway_serves_disaggregated_requests_as_the_mixed_daemon_does(disaggregated):
-    """The official openai client against the gateway: the text and usage equal the mixed daemon's over gRPC."""
-    prompts = _prompts(24, seed=8, longest=1200)
-    with Daemon() as mixed:
-        expected = [_generate(mixed, _request(p, max_tokens=8)) for p in prompts]
-    with openai.OpenAI(base_url=f"{disaggregated.http_url}/v1", api_key="unused", max_retries=0) as client:
-        for prompt, (_, text, reason, usage) in zip(prompts, expected, strict=True):
-            chunks = list(
-                client.completions.create(
-                    model="tokend-tiny-random",
-                    prompt=prompt,
-                    max_tokens=8,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-            )
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == text
-            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
-            assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == usage
+def test_the_gateway_serves_disaggregated_requests_as_the_mixed_daemon_does(disaggregated, reference):
+    """The official openai client against the gateway, the same 200 prompts: the text, finish reason and usage
+    equal the mixed daemon's over gRPC."""
+    expected, _ = reference
+
+    def completion(index: int) -> tuple[str, str, tuple[int, int]]:
+        chunks = list(
+            client.completions.create(
+                model="tokend-tiny-random",
+                prompt=PROMPTS[index],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": _ignores_eos(index)},
+            )  # fmt: skip
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+        return text, reason, (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens)
+
+    client = openai.OpenAI(base_url=f"{disaggregated.http_url}/v1", api_key="unused", max_retries=0)
+    with client, ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(completion, range(len(PROMPTS))))
+    assert got == [(text, reason, usage) for _, text, reason, usage in expected]
 
 
 def _cancel_some(daemon: Daemon, prompts: list[list[int]], seed: int) -> int:

@@ -29,6 +29,11 @@ class PageExport:
     def num_pages(self) -> int:
         return len(self.page_hashes)
 
+    @property
+    def num_rows(self) -> int:
+        """Pages the tensors hold (all of the chain's, or the positions')."""
+        return self.keys.shape[1]
+
 
 def export_pages(kv: KVCacheManager, pool: KVPool, match: PrefixMatch) -> PageExport:
     """Copies out the cached pages of a prefix (find_cached_prefix's answer) to host memory."""
@@ -66,11 +71,15 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
         allocator.share(page)
     pages = allocator.allocate(len(missing))
     if pages:
-        index = torch.tensor([carried[i] for i in missing], dtype=torch.long)
+        rows = [carried[i] for i in missing]
+        whole = rows == list(range(export.num_rows))  # every row, in order: no gather needed
+        index = torch.tensor(rows, dtype=torch.long)
         target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
         for layer, (k, v) in enumerate(pool.layers):
-            k.index_copy_(0, target, export.keys[layer].index_select(0, index).to(k.device, k.dtype))
-            v.index_copy_(0, target, export.values[layer].index_select(0, index).to(v.device, v.dtype))
+            keys = export.keys[layer] if whole else export.keys[layer].index_select(0, index)
+            values = export.values[layer] if whole else export.values[layer].index_select(0, index)
+            k.index_copy_(0, target, keys.to(k.device, k.dtype))
+            v.index_copy_(0, target, values.to(v.device, v.dtype))
     for page, i in zip(pages, missing, strict=True):
         allocator.register(page, export.page_hashes[i])
         chain[i] = page

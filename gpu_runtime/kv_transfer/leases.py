@@ -82,6 +82,8 @@ class KVLeases:
                 return f"lease {lease_id!r} is unknown here (expired, released, or never granted)"
             if lease.reading:
                 return f"lease {lease_id!r} is being pulled already"
+            if lease.expires_at <= time.monotonic():  # due: the engine thread releases it at its next look
+                return f"lease {lease_id!r} expired (kv_lease_seconds)"
             held = set(lease.page_ids)
             stray = next((page for page in page_ids if page not in held), None)
             if stray is not None:

@@ -16,7 +16,16 @@ import zmq
 
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.kv_transfer.leases import KVLeases
-from gpu_runtime.kv_transfer.wire import PULL_CODEC_ENCODER, PULL_DECODER, PagesReply, PullPages, tensor_frame
+from gpu_runtime.kv_transfer.wire import (
+    PULL_CODEC_ENCODER,
+    PULL_DECODER,
+    DescribePool,
+    LockPages,
+    PagesReply,
+    PullPages,
+    UnlockPages,
+    tensor_frame,
+)
 
 _POLL_MS = 100
 
@@ -40,6 +49,7 @@ class KVServer(threading.Thread):
         self._inbox = inbox
         self._log = log
         self._stopped = threading.Event()
+        self._nixl = None  # the pool registered with NIXL, on the first reader that asks for it
 
     def stop(self) -> None:
         self._stopped.set()
@@ -55,16 +65,42 @@ class KVServer(threading.Thread):
             identity, payload = frames
             try:
                 pull = PULL_DECODER.decode(payload)
-            except Exception as error:  # anything that is not a PullPages (a pickle included) is dropped
+            except Exception as error:  # anything that is not one of the protocol's messages (a pickle too) is dropped
                 self._log.warning("kv_pull_dropped", bytes=len(payload), error=str(error)[:200])
                 continue
-            self._answer(identity, pull)
+            try:
+                self._handle(identity, pull)
+            except Exception as error:  # a failure is the asking reader's, never this thread's
+                self._log.error("kv_pull_failed", kind=type(pull).__name__, error=str(error)[:300], exc_info=True)
+                self._reply(identity, PagesReply(error=f"{type(error).__name__}: {error}"[:500]))
+        if self._nixl is not None:
+            self._nixl.close()
         self._socket.close()
+
+    def _handle(self, identity: bytes, message) -> None:
+        if isinstance(message, PullPages):
+            self._answer(identity, message)
+        elif isinstance(message, DescribePool):
+            if self._nixl is None:
+                from gpu_runtime.kv_transfer.nixl_transport import NixlPool
+
+                self._nixl = NixlPool(self._pool)
+                self._log.info("kv_nixl_registered", agent=self._nixl.name)
+            self._reply(identity, self._nixl.description)
+        elif isinstance(message, LockPages):  # a NIXL reader's: the pages stay put until it unlocks them
+            self._reply(identity, PagesReply(error=self._leases.begin_read(message.lease_id, message.page_ids)))
+        elif isinstance(message, UnlockPages):
+            self._leases.end_read(message.lease_id)
+            self._reply(identity, PagesReply())
+            self._inbox.put(LeasePulled(message.lease_id))
+
+    def _reply(self, identity: bytes, message) -> None:
+        self._socket.send_multipart([identity, PULL_CODEC_ENCODER.encode(message)])
 
     def _answer(self, identity: bytes, pull: PullPages) -> None:
         refused = self._leases.begin_read(pull.lease_id, pull.page_ids)
         if refused:
-            self._socket.send_multipart([identity, PULL_CODEC_ENCODER.encode(PagesReply(error=refused))])
+            self._reply(identity, PagesReply(error=refused))
             return
         try:
             keys, values = self._gather(pull.page_ids)
@@ -77,9 +113,17 @@ class KVServer(threading.Thread):
         self._inbox.put(LeasePulled(pull.lease_id))
 
     def _gather(self, page_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pages' K and V of every layer, on the host: [layers, pages, page_size, kv_heads, head_dim] each."""
-        device = self._pool.layers[0][0].device
-        index = torch.tensor(page_ids, dtype=torch.long, device=device)
-        keys = torch.stack([k.index_select(0, index) for k, _ in self._pool.layers]).cpu()
-        values = torch.stack([v.index_select(0, index) for _, v in self._pool.layers]).cpu()
+        """The pages' K and V of every layer, on the host: [layers, pages, page_size, kv_heads, head_dim] each,
+        gathered straight into the tensors that are sent (one copy)."""
+        first = self._pool.layers[0][0]
+        index = torch.tensor(page_ids, dtype=torch.long, device=first.device)
+        shape = (len(self._pool.layers), len(page_ids), *first.shape[1:])
+        keys, values = torch.empty(shape, dtype=first.dtype), torch.empty(shape, dtype=first.dtype)
+        for layer, (k, v) in enumerate(self._pool.layers):
+            if k.device.type == "cpu":
+                torch.index_select(k, 0, index, out=keys[layer])
+                torch.index_select(v, 0, index, out=values[layer])
+            else:
+                keys[layer].copy_(k.index_select(0, index))
+                values[layer].copy_(v.index_select(0, index))
         return keys, values

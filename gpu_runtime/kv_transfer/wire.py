@@ -7,9 +7,17 @@ A pull is one request and one reply on a DEALER/ROUTER pair over ipc:// in the d
 
 The two tensor frames travel as their raw bytes (zero-copy on the sending side), never pickled; the reply's
 header says their dtype and shape, and the receiver checks the byte counts against it.
+
+With NIXL moving the bytes (nixl_transport.py) the same socket carries only the control:
+
+    decode -> prefill   [DescribePool]              once per prefill worker: -> [PoolDescription]
+    decode -> prefill   [LockPages]                 -> [PagesReply] (no frames): pinned until UnlockPages
+    decode -> prefill   [UnlockPages]               after its READ: -> [PagesReply]; the lease is released
 """
 
 from __future__ import annotations
+
+import warnings
 
 import msgspec
 import torch
@@ -20,15 +28,44 @@ class PullPages(msgspec.Struct, frozen=True, tag="pull", forbid_unknown_fields=T
     page_ids: list[int]  # the pages wanted, each one the lease holds (the decode worker's missing ones)
 
 
+class DescribePool(msgspec.Struct, frozen=True, tag="describe", forbid_unknown_fields=True):
+    pass
+
+
+class LockPages(msgspec.Struct, frozen=True, tag="lock", forbid_unknown_fields=True):
+    lease_id: str
+    page_ids: list[int]
+
+
+class UnlockPages(msgspec.Struct, frozen=True, tag="unlock", forbid_unknown_fields=True):
+    lease_id: str
+
+
 class PagesReply(msgspec.Struct, frozen=True, tag="pages", forbid_unknown_fields=True):
     error: str = ""  # set: no frames follow (an unknown or expired lease, a page it does not hold)
     dtype: str = ""  # "float32", "bfloat16", ...
     shape: list[int] = []  # of each of the two tensor frames
 
 
+class PoolDescription(msgspec.Struct, frozen=True, tag="pool", forbid_unknown_fields=True):
+    """A prefill worker's KV pool as registered with NIXL: what a reader needs to address its pages."""
+
+    agent_name: str
+    agent_metadata: bytes  # NIXL's own serialisation of its agent (no pickle): add_remote_agent takes it
+    regions: list[tuple[int, int]]  # per layer, the base address of its K and of its V tensor
+    page_bytes: int  # one page of one layer's K (or V)
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"
+    dtype: str
+    page_shape: list[int]  # [page_size, kv_heads, head_dim]
+
+
+ToKVServer = PullPages | DescribePool | LockPages | UnlockPages
+FromKVServer = PagesReply | PoolDescription
+
 PULL_CODEC_ENCODER = msgspec.msgpack.Encoder()
-PULL_DECODER = msgspec.msgpack.Decoder(PullPages)
-REPLY_DECODER = msgspec.msgpack.Decoder(PagesReply)
+PULL_DECODER = msgspec.msgpack.Decoder(ToKVServer)
+REPLY_DECODER = msgspec.msgpack.Decoder(FromKVServer)
 
 
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
@@ -37,11 +74,14 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview:
 
 
 def tensor_of(frame: bytes | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
-    """The tensor a frame carries; ValueError if its size does not match the header's dtype and shape."""
+    """The tensor a frame carries, read-only and without a copy (it keeps the frame alive); ValueError if its size
+    does not match the header's dtype and shape."""
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype: {dtype!r} is not a torch dtype")
     expected = torch.Size(shape).numel() * torch.empty((), dtype=torch_dtype).element_size()
     if len(frame) != expected:
         raise ValueError(f"frame: {len(frame)} bytes, but {dtype} {shape} takes {expected}")
-    return torch.frombuffer(bytearray(frame), dtype=torch_dtype).view(shape)
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(frame, dtype=torch_dtype).view(shape)

@@ -54,7 +54,9 @@ class Handover:
         kv_address: str,
         lease_seconds: float,
         load_failure: str,
+        transport: str = "zmq",
     ):
+        self._transport = transport  # how pages are pulled here: "zmq" or "nixl"
         self.engine = engine
         self._context = context
         self._inbox = inbox
@@ -109,7 +111,8 @@ class Handover:
             return admit(message)  # every page is cached here already: nothing to move
         if self._puller is None:
             pool_bytes = 2 * sum(k.numel() * k.element_size() for k, _ in self.engine.runner.pool.layers)
-            self._puller = KVPuller(self._context, self._inbox, self._lease_seconds, pool_bytes + (1 << 20))
+            self._puller = KVPuller(self._context, self._inbox, self._lease_seconds, pool_bytes + (1 << 20),
+                                    self._transport)  # fmt: skip
             self._puller.start()
         self._pulls[message.request_id] = _PendingPull(message, own, positions)
         page_ids = [params.remote_block_ids[i] for i in positions]

@@ -35,6 +35,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_address: str = ""  # ipc:// a prefill worker serves pulls on (in the daemon's private directory)
     kv_lease_seconds: float = 30.0  # a lease no decode worker pulled is released after this
     kv_load_failure: str = "recompute"  # a pull that fails: "recompute" the prompt here, or "fail" the request
+    kv_transfer_transport: str = "zmq"  # how this worker pulls pages: "zmq" frames, or a "nixl" READ
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -243,3 +243,23 @@ def test_a_lease_of_a_decode_worker_that_died_expires_and_frees_the_prefill_side
             lambda: (loads := _loads(daemon)).get("decode") is not None and loads["decode"].ready, timeout=60
         )
         assert _generate(daemon, _request(_prompts(1, 14, 300)[0], 4))[2] == "length"
+
+
+def test_a_killed_prefill_worker_ends_its_streams_unavailable_and_is_replaced():
+    """The prefill worker is stopped with a long prompt queued on it, then killed: that stream ends UNAVAILABLE,
+    the decode worker holds nothing for it, and the restarted prefill worker serves the next long prompt."""
+    with Daemon(*PD_FLAGS, "--liveness-timeout", "30") as daemon:
+        [prefill_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 0")
+        os.kill(prefill_pid, signal.SIGSTOP)
+        call = daemon.generation.Generate(_request(_prompts(1, 16, 300)[0], max_tokens=8), timeout=120)
+        daemon.wait_for(lambda: daemon.log_entries("request_admitted"), timeout=10)
+        os.kill(prefill_pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert _loads(daemon)["decode"].num_used_pages == 0
+        daemon.wait_for(lambda: (loads := _loads(daemon)).get("prefill") is not None and loads["prefill"].ready,
+                        timeout=60)  # fmt: skip
+        tokens, _, reason, _ = _generate(daemon, _request(_prompts(1, 17, 300)[0], 4))
+        assert reason == "length" and len(tokens) == 4
+        assert daemon.log_entries("request_admitted")[-1]["decode_worker"].endswith("/1")  # it went the P/D way

@@ -14,12 +14,19 @@ from dataclasses import dataclass
 
 from gpu_runtime.kv_cache.manager import KVCacheManager
 
+# How long a read may hold a lease past its expiry: a reader that died mid-read (its unlock never comes) must not
+# pin the pages for ever.
+READ_LIMIT_S = 30.0
+
 
 @dataclass(slots=True)
 class Lease:
     page_ids: list[int]
     expires_at: float
-    reading: bool = False
+    reading_until: float = 0.0  # while a reader copies the pages (monotonic time); 0: nobody reads them
+
+    def reading(self, now: float) -> bool:
+        return self.reading_until > now
 
 
 class KVLeases:
@@ -57,19 +64,18 @@ class KVLeases:
         read right now (the reader releases it when done)."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.reading:
+            if lease is None or lease.reading(time.monotonic()):
                 return False
             del self._leases[lease_id]
         self._kv.allocator.free(lease.page_ids[::-1])
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Releases every lease past its time (not one being read); returns their ids."""
+        """Releases every lease past its time (not one being read, unless its reader outlived READ_LIMIT_S);
+        returns their ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            due = [
-                lease_id for lease_id, lease in self._leases.items() if lease.expires_at <= now and not lease.reading
-            ]
+            due = [key for key, lease in self._leases.items() if lease.expires_at <= now and not lease.reading(now)]
         return [lease_id for lease_id in due if self.release(lease_id)]
 
     # -- the KV server thread ------------------------------------------------------------------------------
@@ -80,19 +86,25 @@ class KVLeases:
             lease = self._leases.get(lease_id)
             if lease is None:
                 return f"lease {lease_id!r} is unknown here (expired, released, or never granted)"
-            if lease.reading:
+            now = time.monotonic()
+            if lease.reading(now):
                 return f"lease {lease_id!r} is being pulled already"
-            if lease.expires_at <= time.monotonic():  # due: the engine thread releases it at its next look
+            if lease.expires_at <= now:  # due: the engine thread releases it at its next look
                 return f"lease {lease_id!r} expired (kv_lease_seconds)"
             held = set(lease.page_ids)
             stray = next((page for page in page_ids if page not in held), None)
             if stray is not None:
                 return f"page {stray} is not held by lease {lease_id!r}"
-            lease.reading = True
+            lease.reading_until = now + READ_LIMIT_S
             return ""
 
     def end_read(self, lease_id: str) -> None:
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is not None:
-                lease.reading = False
+                lease.reading_until = 0.0
+
+    def is_being_read(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            return lease is not None and lease.reading(time.monotonic())

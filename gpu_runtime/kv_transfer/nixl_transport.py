@@ -32,9 +32,11 @@ def nixl_available() -> bool:
 
 
 def _agent(name: str):
+    """An agent without NIXL's progress thread, which spins a core to itself: the reader polls its transfer, and
+    the prefill side's KV server drives its own agent while a read is under way."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _mem_type(device: torch.device) -> str:
@@ -60,6 +62,10 @@ class NixlPool:
             dtype=str(first.dtype).removeprefix("torch."),
             page_shape=list(first.shape[1:]),
         )
+
+    def progress(self) -> None:
+        """Lets UCX move what a reader asked of this side (reading notifications drives its worker)."""
+        self._agent.get_new_notifs()
 
     def close(self) -> None:
         self._agent.deregister_memory(self._registered)

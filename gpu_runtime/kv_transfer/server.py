@@ -28,6 +28,7 @@ from gpu_runtime.kv_transfer.wire import (
 )
 
 _POLL_MS = 100
+_READING_POLL_MS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +51,19 @@ class KVServer(threading.Thread):
         self._log = log
         self._stopped = threading.Event()
         self._nixl = None  # the pool registered with NIXL, on the first reader that asks for it
+        self._locked: set[str] = set()  # leases a NIXL reader is reading now: this thread drives UCX meanwhile
 
     def stop(self) -> None:
         self._stopped.set()
 
     def run(self) -> None:
         while not self._stopped.is_set():
-            if not self._socket.poll(_POLL_MS):
+            # NIXL runs without a progress thread (one spins a whole core); a read over UCX's TCP transport needs
+            # this side to make progress, so while one is under way this thread polls briskly and drives it.
+            if self._locked:
+                self._locked = {lease for lease in self._locked if self._leases.is_being_read(lease)}  # dead readers
+                self._nixl.progress()
+            if not self._socket.poll(_READING_POLL_MS if self._locked else _POLL_MS):
                 continue
             frames = self._socket.recv_multipart(copy=True)
             if len(frames) != 2:
@@ -88,8 +95,12 @@ class KVServer(threading.Thread):
                 self._log.info("kv_nixl_registered", agent=self._nixl.name)
             self._reply(identity, self._nixl.description)
         elif isinstance(message, LockPages):  # a NIXL reader's: the pages stay put until it unlocks them
-            self._reply(identity, PagesReply(error=self._leases.begin_read(message.lease_id, message.page_ids)))
+            refused = self._leases.begin_read(message.lease_id, message.page_ids)
+            if not refused and self._nixl is not None:
+                self._locked.add(message.lease_id)
+            self._reply(identity, PagesReply(error=refused))
         elif isinstance(message, UnlockPages):
+            self._locked.discard(message.lease_id)
             self._leases.end_read(message.lease_id)
             self._reply(identity, PagesReply())
             self._inbox.put(LeasePulled(message.lease_id))

@@ -152,8 +152,10 @@ class Handover:
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Ends a request still waiting for its pages (its final delta), or releases a lease of that id (the
-        frontend gave up on the decode hop); None if neither."""
+        frontend gave up on the decode hop); None if neither. An aborted prefill will never ask for a lease: its
+        entry goes here too, since orphans' final deltas never pass through finished()."""
         self.leases.release(request_id)
+        self._prefills.pop(request_id, None)
         pending = self._pulls.pop(request_id, None)
         if pending is None:
             return None
@@ -190,10 +192,6 @@ class Handover:
             remote_num_tokens=len(page_ids) * self.engine.kv.page_size,
         )
         return msgspec.structs.replace(delta, kv_transfer_params=params)
-
-    def forget(self, request_id: str) -> None:
-        """A prefill request ended some other way (aborted, failed): no lease will be asked for."""
-        self._prefills.pop(request_id, None)
 
     def lease_pulled(self, message: LeasePulled) -> None:
         self.leases.release(message.lease_id)

@@ -4,13 +4,18 @@ Two loops decide how many workers serve one model:
   - the fast loop, `decide`, about once a second, watches leading indicators: the best serving worker's effective
     time to first token (its projected TTFT plus the frontend's queue wait) and the frontend's queue depth against
     the free slots of the serving workers. It scales up at once when either passes its bound, and down by one
-    worker only after the load has stayed quiet for `scale_down_delay_s`. One action is in flight at a time.
+    worker only after the load has stayed quiet for `scale_down_delay_s`. One cold start is in flight at a time;
+    promotions of warm standbys are not held back (a routing flip shows in the next tick's indicators).
   - the slow loop, `forecast_floor`, every few seconds, forecasts the arrival rate and the prompt/output lengths
     over a horizon equal to the measured warm-up time, and turns them into a worker floor with the engine's own
-    step-time model, so that workers are started before the load that needs them arrives.
+    step-time model, so that workers are started before the load that needs them arrives. A declared peak
+    (`peak_rps`) bounds how far a trend is extrapolated.
 
 `Decision.desired` counts workers serving or starting toward serving; standbys (loaded, warm, not routed) are kept
 apart by the actuator, which promotes one when `desired` grows (a routing flip) and starts a new standby behind it.
+How many standbys, `standby_target`: enough that the workers warm (serving and standby) serve the peak, the
+operator's `peak_rps` or the busiest window of the last `peak_memory_s` (`peak_rate`), because a burst faster than
+a warm-up is served only by capacity already warm; at least `min_standby`.
 Reasons are short snake_case words, fit for a Prometheus label: up for `ttft`, `queue`, `forecast` (the slow
 loop's floor) or `floor` (min_workers); down for `quiet` or `ceiling` (max_workers lowered); hold for `steady`,
 `quiet_wait` (quiet, the delay not yet passed), `starting` (an action in flight), `cooldown` (a change just made),
@@ -20,6 +25,7 @@ loop's floor) or `floor` (min_workers); down for `quiet` or `ceiling` (max_worke
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,6 +78,8 @@ class AutoscalePolicy:
     forecast_window_s: float = 30.0  # the slow loop's bucket width for arrival rates
     forecast_history_s: float = 300.0  # how far back the slow loop looks
     forecast_headroom: float = 0.8  # plan workers to run at this fraction of their throughput
+    peak_rps: float = 0.0  # the arrival rate the operator expects at peak: warm workers are kept for it
+    peak_memory_s: float = 3600.0  # how long the highest arrival rate seen is remembered as a peak (0: not at all)
 
     def __post_init__(self) -> None:
         _require(self.max_workers >= 1, "max_workers", self.max_workers, "must be >= 1")
@@ -87,6 +95,8 @@ class AutoscalePolicy:
         _require(self.forecast_history_s >= 2 * self.forecast_window_s, "forecast_history_s",
                  self.forecast_history_s, "must be >= 2 * forecast_window_s")  # fmt: skip
         _require(0 < self.forecast_headroom <= 1, "forecast_headroom", self.forecast_headroom, "must be in (0, 1]")
+        _require(self.peak_rps >= 0, "peak_rps", self.peak_rps, "must be >= 0")
+        _require(self.peak_memory_s >= 0, "peak_memory_s", self.peak_memory_s, "must be >= 0")
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
@@ -100,6 +110,8 @@ class AutoscaleState:
 
     quiet_since: float | None = None
     last_change_at: float = -math.inf
+    reserve: int = 0  # warm workers (serving, starting or standby) held for the peak
+    smaller_reserve_since: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +148,8 @@ def _fast(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState
         reason = "ttft" if over_ttft else "queue"
         if current >= policy.max_workers:
             return Decision(current, "hold", "ceiling")
+        if snapshot.num_standby > 0:  # a promotion is a routing flip: it shows in the next tick's indicators
+            return Decision(min(policy.max_workers, current + _workers_short(snapshot, policy)), "up", reason)
         if snapshot.num_starting > 0:
             return Decision(current, "hold", "starting")  # one action in flight
         if snapshot.now - state.last_change_at < policy.scale_up_cooldown_s:
@@ -264,6 +278,8 @@ def forecast_load(
     trend = mean_y + slope * (now + min(horizon_s, policy.forecast_history_s) - mean_x)
     prompt = sum(a[1] for a in recent) / len(recent)
     output = sum(a[2] for a in recent) / len(recent)
+    if policy.peak_rps > 0:  # the operator's peak bounds what a trend may be extrapolated to
+        trend = min(trend, policy.peak_rps)
     return Forecast(max(trend, rates[-1], 0.0), prompt, output)
 
 
@@ -290,3 +306,41 @@ def forecast_floor(
         return policy.max_workers
     needed = math.ceil(forecast.rate / (capacity.requests_per_s * policy.forecast_headroom))
     return max(policy.min_workers, min(policy.max_workers, needed))
+
+
+def peak_rate(window_counts: Mapping[int, int], now: float, policy: AutoscalePolicy) -> float:
+    """The highest arrival rate expected: the operator's `peak_rps`, or the busiest forecast window of the last
+    `peak_memory_s` if that was busier (a peak seen once is expected again: daily cycles, recurring bursts).
+    `window_counts` maps a window's index (arrival time // forecast_window_s) to the arrivals in it."""
+    width = policy.forecast_window_s
+    oldest = (now - policy.peak_memory_s) // width
+    busiest = max((n for index, n in window_counts.items() if index >= oldest), default=0)
+    return max(policy.peak_rps, busiest / width)
+
+
+def standby_target(
+    peak_rps: float, capacity_rps: float, active: int, now: float, policy: AutoscalePolicy, state: AutoscaleState
+) -> int:
+    """Warm standbys to keep beside `active` workers (serving or starting toward it): enough that a rise to the
+    peak is served by promotions (routing flips) instead of cold starts, which take the whole warm-up time; never
+    fewer than min_standby. The reserve (serving and standby together) grows at once and shrinks by one worker each
+    scale_down_delay_s that it wants less, as the fast loop drains: a warm worker let go costs a warm-up to get back.
+
+    A step to the peak cannot be forecast, and a worker started when it comes serves only a warm-up later: every
+    request in between waits. Warm capacity is what serves it, at the cost of holding it while the load is low.
+    `capacity_rps` is one worker's (worker_capacity); 0 when it is not known yet."""
+    usable = capacity_rps * policy.forecast_headroom
+    if peak_rps <= 0:
+        reserve = 0
+    elif usable <= 0:  # a peak, and no step time measured yet to size it: hold all the ceiling allows
+        reserve = policy.max_workers
+    else:  # planned at forecast_headroom of capacity, as the forecast floor plans: a peak held runs below 100 %
+        reserve = min(policy.max_workers, math.ceil(peak_rps / usable))
+    if reserve >= state.reserve:
+        state.reserve, state.smaller_reserve_since = reserve, None
+    elif state.smaller_reserve_since is None:
+        state.smaller_reserve_since = now
+    elif now - state.smaller_reserve_since >= policy.scale_down_delay_s:
+        state.reserve -= 1  # one at a time, as the fast loop drains: request sizes and so capacities wobble
+        state.smaller_reserve_since = now if state.reserve > reserve else None
+    return max(policy.min_standby, state.reserve - active)

@@ -30,6 +30,7 @@ class PlannedWorker:
     epoch: int
     state: WorkerState
     slot: int
+    standby: bool = False  # to wait unrouted once warm (daemon.scaling_plan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,14 @@ class PromoteWorkers:
 
 
 @dataclass(frozen=True, slots=True)
+class DemoteWorkers:
+    """Serving workers that wait as standbys from now on: routed nothing new, their streams finish where they are,
+    and a later scale-up promotes them again without a warm-up (daemon.scaling_plan)."""
+
+    worker_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DrainWorkers:
     worker_ids: tuple[str, ...]
 
@@ -92,7 +101,7 @@ class Stuck:
     reason: str
 
 
-Action = StartWorker | PromoteWorkers | DrainWorkers | StopWorkers | Wait | Done | Stuck
+Action = StartWorker | PromoteWorkers | DemoteWorkers | DrainWorkers | StopWorkers | Wait | Done | Stuck
 _ALIVE = (WorkerState.STARTING, WorkerState.STANDBY, WorkerState.SERVING, WorkerState.DRAINING, WorkerState.FAILED)
 
 

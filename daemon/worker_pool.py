@@ -20,6 +20,7 @@ from daemon.child_specs import Slot, slots_of, worker_spec
 from daemon.children import Child
 from daemon.config import ModelSpec, ServeConfig
 from daemon.rollout_plan import (
+    DemoteWorkers,
     DrainWorkers,
     PlannedWorker,
     PromoteWorkers,
@@ -266,7 +267,7 @@ class WorkerPool:
     def _scale(self, rollout: Rollout) -> None:
         """Between rollouts: the serving and standby counts the autoscaler (and min_standby) ask for."""
         mine = [w for w in self.workers if w.model_name == rollout.model.name and w.epoch == rollout.epoch]
-        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index) for w in mine]
+        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index, w.standby_when_warm) for w in mine]
         spare = self.spare_slots(rollout.model.name, RolloutStrategy.SURGE)
         action = next_scaling_action(rollout.target_count, rollout.standby_count, planned, spare)
         if isinstance(action, StartWorker):
@@ -277,8 +278,14 @@ class WorkerPool:
                           standby=action.standby, devices=worker.slot.devices)  # fmt: skip
         elif isinstance(action, PromoteWorkers):
             for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
-                worker.state = WorkerState.SERVING
+                worker.standby_when_warm = False  # one still loading serves once warm; a restart serves too
+                if worker.state == WorkerState.STANDBY:
+                    worker.state = WorkerState.SERVING
                 self._changed("worker_promoted", rollout.model.name, worker=worker.spec.worker_id)
+        elif isinstance(action, DemoteWorkers):
+            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+                worker.state, worker.standby_when_warm = WorkerState.STANDBY, True
+                self._changed("worker_demoted", rollout.model.name, worker=worker.spec.worker_id)
         elif isinstance(action, DrainWorkers):
             for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
                 self._drain(worker)

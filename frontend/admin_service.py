@@ -51,13 +51,15 @@ class AdminService(pb_grpc.AdminServicer):
             autoscale=[
                 pb.AutoscaleDecision(
                     model=model,
-                    desired_replicas=decision.desired,
-                    direction=decision.direction,
-                    reason=decision.reason,
-                    effective_ttft_seconds=snapshot.effective_ttft_s,
-                    queue_depth=snapshot.queue_depth,
+                    desired_replicas=verdict.decision.desired,
+                    direction=verdict.decision.direction,
+                    reason=verdict.decision.reason,
+                    effective_ttft_seconds=verdict.snapshot.effective_ttft_s,
+                    queue_depth=verdict.snapshot.queue_depth,
+                    desired_standby=verdict.standby,
+                    peak_requests_per_second=verdict.peak_rps,
                 )  # fmt: skip
-                for model, (decision, snapshot) in decisions
+                for model, verdict in decisions
             ],
         )
 

@@ -18,9 +18,11 @@ _MIN_SAMPLES = 8
 
 
 class AutoscaleInputs:
-    def __init__(self, history_s: float):
+    def __init__(self, history_s: float, window_s: float, peak_memory_s: float):
         self._history_s = history_s
+        self._window_s, self._peak_memory_s = window_s, peak_memory_s
         self._arrivals: dict[str, collections.deque[tuple[float, int, int]]] = {}
+        self._window_counts: dict[str, dict[int, int]] = {}  # model -> arrivals per window, kept for peak memory
         self._samples: dict[str, collections.deque[tuple[int, float]]] = {}
         self._previous: dict[str, LoadReport] = {}  # worker id -> its latest report
         self._seen: collections.Counter[str] = collections.Counter()  # worker id -> samples taken from it
@@ -30,6 +32,17 @@ class AutoscaleInputs:
         arrivals.append((arrived, prompt_tokens, output_tokens))
         while arrivals and arrivals[0][0] < arrived - self._history_s:
             arrivals.popleft()
+        counts = self._window_counts.setdefault(model, {})
+        window = int(arrived // self._window_s)
+        if window not in counts:  # a new window: the ones past the peak memory go
+            oldest = (arrived - self._peak_memory_s) // self._window_s
+            for stale in [w for w in counts if w < oldest]:
+                del counts[stale]
+        counts[window] = counts.get(window, 0) + 1
+
+    def window_counts(self, model: str) -> dict[int, int]:
+        """Arrivals per forecast window (index: arrival time // window) over the peak memory."""
+        return self._window_counts.get(model, {})
 
     def arrivals(self, model: str) -> list[tuple[float, int, int]]:
         return sorted(self._arrivals.get(model, ()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
 from common.autoscale_policy import (
     AutoscalePolicy,
@@ -19,6 +20,9 @@ from common.autoscale_policy import (
     WorkerSnapshot,
     decide,
     forecast_floor,
+    peak_rate,
+    standby_target,
+    worker_capacity,
 )
 from frontend.admission import AdmissionController
 from frontend.autoscale_inputs import AutoscaleInputs
@@ -32,6 +36,15 @@ TICK_S = 1.0
 _DEFAULT_WARMUP_S = 30.0  # the forecast's horizon until a worker's warm-up has been measured
 
 
+class Verdict(NamedTuple):
+    """A model's latest decision and what it saw (Admin.GetLoad)."""
+
+    decision: Decision
+    snapshot: LoadSnapshot
+    standby: int  # warm standbys wanted beside the serving workers
+    peak_rps: float  # the peak they are held for
+
+
 class Autoscaler:
     def __init__(self, spec: FrontendSpec, link: SchedulerLink, admission: AdmissionController,
                  control: ControlLink, metrics: FrontendMetrics, log):  # fmt: skip
@@ -42,6 +55,8 @@ class Autoscaler:
             min_standby=settings.min_standby,
             ttft_fraction=settings.autoscale_ttft_fraction,
             scale_down_delay_s=settings.autoscale_scale_down_delay,
+            peak_rps=settings.autoscale_peak_rps,
+            peak_memory_s=settings.autoscale_peak_memory,
         )
         self._ttft_target_s = spec.admission.interactive_ttft_target
         self._link = link
@@ -50,10 +65,11 @@ class Autoscaler:
         self._metrics = metrics
         self._log = log
         self._states: dict[str, AutoscaleState] = {}
-        self._sent: dict[str, int] = {}  # model -> the serving count last asked of the daemon
+        self._sent: dict[str, tuple[int, int]] = {}  # model -> the serving and standby counts last asked
         self._warmups_seen: set[str] = set()  # workers whose warm-up time is in the histogram
-        self.latest: dict[str, tuple[Decision, LoadSnapshot]] = {}  # model -> its latest decision (Admin.GetLoad)
-        self.inputs = AutoscaleInputs(self._policy.forecast_history_s)
+        self.latest: dict[str, Verdict] = {}  # model -> its latest decision (Admin.GetLoad)
+        policy = self._policy
+        self.inputs = AutoscaleInputs(policy.forecast_history_s, policy.forecast_window_s, policy.peak_memory_s)
 
     async def run_forever(self) -> None:
         while True:
@@ -89,18 +105,38 @@ class Autoscaler:
             num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in workers),
         )
         floor = self._forecast_floor(model, snapshot.now)
-        decision = decide(snapshot, self._policy, self._states.setdefault(model, AutoscaleState()), floor)
-        self.latest[model] = (decision, snapshot)
+        state = self._states.setdefault(model, AutoscaleState())
+        decision = decide(snapshot, self._policy, state, floor)
+        peak = peak_rate(self.inputs.window_counts(model), snapshot.now, self._policy)
+        standby = standby_target(peak, self._capacity_rps(model), decision.desired, snapshot.now, self._policy,
+                                 state)  # fmt: skip
+        self.latest[model] = Verdict(decision, snapshot, standby, peak)
         self._metrics.desired_replicas.labels(model, "mixed").set(decision.desired)
-        if decision.desired == self._sent.get(model):
+        self._metrics.desired_standby.labels(model).set(standby)
+        if (decision.desired, standby) == self._sent.get(model):
             return
         if decision.direction != "hold":
             self._metrics.autoscaler_decisions.labels(decision.direction, decision.reason).inc()
-        self._log.info("autoscale", model=model, desired=decision.desired, direction=decision.direction,
-                       reason=decision.reason, queue_depth=depth, queue_wait_s=round(oldest_wait_s, 3),
+        self._log.info("autoscale", model=model, desired=decision.desired, standby=standby,
+                       peak_rps=round(peak, 3), direction=decision.direction, reason=decision.reason,
+                       queue_depth=depth, queue_wait_s=round(oldest_wait_s, 3),
                        effective_ttft_s=round(snapshot.effective_ttft_s, 3))  # fmt: skip
-        self._sent[model] = decision.desired
-        await self._control.scale(model, decision.desired, self._policy.min_standby, decision.reason)
+        self._sent[model] = (decision.desired, standby)
+        await self._control.scale(model, decision.desired, standby, decision.reason)
+
+    def _capacity_rps(self, model: str) -> float:
+        """One worker's requests/s within the TTFT target for the recent request sizes, by the fitted step-time
+        model; 0 until there is one (standby_target then holds min_standby, or all it may for a declared peak)."""
+        step_model = self.inputs.step_model(model)
+        ready = [s.ready for s in self._link.ready_schedulers(model)]
+        arrivals = self.inputs.arrivals(model)
+        if step_model is None or not ready or not arrivals:
+            return 0.0
+        prompt = sum(a[1] for a in arrivals) / len(arrivals)
+        output = sum(a[2] for a in arrivals) / len(arrivals)
+        budget = ready[0].max_num_batched_tokens or ready[0].max_num_seqs
+        return worker_capacity(step_model, prompt, output, self._policy.ttft_fraction * self._ttft_target_s,
+                               ready[0].max_num_seqs, budget).requests_per_s  # fmt: skip
 
     def _forecast_floor(self, model: str, now: float) -> int:
         """The slow loop: the workers the forecast arrivals need by the time a worker started now would serve (the

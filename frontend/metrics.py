@@ -142,6 +142,10 @@ class FrontendMetrics:
         self.desired_replicas = Gauge(
             "tokend:desired_replicas", "Serving workers the autoscaler wants", ["model_name", "role"], registry=r
         )
+        self.desired_standby = Gauge(
+            "tokend:desired_standby", "Warm standby workers the autoscaler wants beside the serving ones",
+            ["model_name"], registry=r,
+        )  # fmt: skip
         self.autoscaler_decisions = Counter(
             "tokend:autoscaler_decisions", "Autoscaler changes by direction and reason", ["direction", "reason"],
             registry=r,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -77,6 +78,14 @@ class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     autoscale_scale_down_delay: Annotated[
         float, _doc("seconds the load must stay quiet before one serving worker drains")
     ] = 60.0
+    autoscale_peak_rps: Annotated[
+        float,
+        _doc("requests/s expected at peak: warm workers (serving and standby) are held for it, so that a burst is "
+             "served by promotions instead of cold starts; 0 holds only what the recent peak needs"),
+    ] = 0.0  # fmt: skip
+    autoscale_peak_memory: Annotated[
+        float, _doc("seconds the busiest arrival rate seen is remembered as a peak to hold warm workers for")
+    ] = 3600.0
 
     def __post_init__(self) -> None:
         for key in ("autoscale_max_workers", "min_standby"):
@@ -93,6 +102,10 @@ class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         delay = self.autoscale_scale_down_delay
         if not delay >= 0:
             raise ValueError(f"autoscale_scale_down_delay: must be seconds >= 0, got {delay!r}")
+        for key in ("autoscale_peak_rps", "autoscale_peak_memory"):
+            value = getattr(self, key)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf):
+                raise ValueError(f"{key}: must be a finite number >= 0, got {value!r}")
 
     @property
     def enabled(self) -> bool:

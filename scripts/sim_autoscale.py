@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ from autoscale_sim.oracle import cheapest_oracle  # noqa: E402
 from autoscale_sim.plots import POLICIES, plot  # noqa: E402
 from autoscale_sim.policies import Limits, OngoingRequests, ReactiveTtft, Tokend, Utilisation  # noqa: E402
 from autoscale_sim.run import simulate  # noqa: E402
-from autoscale_sim.traces import TRACES, make_trace  # noqa: E402
+from autoscale_sim.static_fleet import cheapest_static_fleet  # noqa: E402
+from autoscale_sim.traces import HIGH, TRACES, make_trace  # noqa: E402
 
 from common.autoscale_policy import StepTimeModel, worker_capacity  # noqa: E402
 
@@ -72,6 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--max-workers", type=int, default=12)
     parser.add_argument("--min-standby", type=int, default=1, help="tokend's warm standbys")
+    parser.add_argument(
+        "--peak-rps",
+        type=float,
+        default=HIGH,
+        help="tokend's declared peak arrival rate (autoscale_peak_rps); the traces peak at 8 req/s",
+    )
     parser.add_argument("--scale-down-delay-s", type=float, default=60.0, help="every policy's")
     parser.add_argument("--ray-target-ongoing", type=float, default=2.0, help="Ray Serve's default is 2")
     parser.add_argument("--seed", type=int, default=0)
@@ -112,28 +120,41 @@ def size_requests(model: StepTimeModel, args) -> tuple[int, int, float]:
     return 4 * low, low, capacity(low)
 
 
+def mean_lengths(prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
+    """The traces' mean prompt and output lengths: log-normal around the medians, sigma 0.5 (traces.py)."""
+    return prompt_tokens * math.exp(0.125), output_tokens * math.exp(0.125)
+
+
 def capacity_of(model: StepTimeModel, args) -> float:
     return worker_capacity(model, args.prompt_tokens, args.output_tokens, args.ttft_target_s * 0.8,
                            args.max_num_seqs, args.max_num_batched_tokens).requests_per_s  # fmt: skip
 
 
-def make_policies(limits: Limits, model: StepTimeModel, warmup_s: float, args) -> list:
+def make_policies(limits: Limits, model: StepTimeModel, warmup_s: float, args, typical_request) -> list:
+    def tokend(**options) -> Tokend:
+        return Tokend(limits, model, warmup_s, args.min_standby, args.max_num_batched_tokens, args.max_num_seqs,
+                      typical_request=typical_request, **options)  # fmt: skip
+
     return [
         Utilisation(limits),
         OngoingRequests(limits, target_ongoing=args.ray_target_ongoing),
         ReactiveTtft(limits),
-        Tokend(limits, model, warmup_s, args.min_standby, args.max_num_batched_tokens),
+        tokend(peak_rps=args.peak_rps),
+        tokend(name="tokend_learned_peak"),  # no declared peak: only the peaks it has seen
     ]
 
 
-def checks(results: dict, oracle: dict, warmups) -> list[dict]:
-    """The issue's bound per trace and warm-up time, and whether the clairvoyant oracle could meet it at all."""
+def checks(results: dict, oracle: dict, static: dict, warmups) -> list[dict]:
+    """The issue's bound per trace and warm-up time; whether the clairvoyant oracle could meet it at all, and
+    whether provisioning for the peak (the cheapest fixed fleet at 95 %) fits within it."""
     out = []
     for trace, by_policy in results.items():
         for warmup in warmups:
             util = by_policy["utilisation"]["by_warmup_s"][str(warmup)]
             ours = by_policy["tokend"]["by_warmup_s"][str(warmup)]
             best = oracle[trace][str(warmup)]
+            fixed = static[trace][str(warmup)]
+            static_ratio = fixed["worker_seconds"] / util["worker_seconds"]
             applies = util["ttft_attainment"] < 0.8
             ratio = ours["worker_seconds"] / util["worker_seconds"]
             oracle_ratio = best["worker_seconds"] / util["worker_seconds"]
@@ -143,7 +164,11 @@ def checks(results: dict, oracle: dict, warmups) -> list[dict]:
                         "passes": (not applies) or (ours["ttft_attainment"] >= 0.95 and ratio <= 1.2),
                         "oracle_attainment": best["ttft_attainment"],
                         "oracle_worker_seconds_ratio": round(oracle_ratio, 3),
-                        "oracle_meets_bound": best["meets_goal"] and oracle_ratio <= 1.2})  # fmt: skip
+                        "oracle_meets_bound": best["meets_goal"] and oracle_ratio <= 1.2,
+                        "static_fleet_workers": fixed["workers"],
+                        "static_fleet_attainment": fixed["ttft_attainment"],
+                        "static_fleet_worker_seconds_ratio": round(static_ratio, 3),
+                        "static_fleet_meets_bound": fixed["meets_goal"] and static_ratio <= 1.2})  # fmt: skip
     return out
 
 
@@ -157,6 +182,7 @@ def main(argv=None) -> int:
     began = time.monotonic()
     results: dict = {}
     oracle: dict = {}
+    static: dict = {}
     timelines, rates = {}, {}
     for trace_name in TRACES:
         trace = make_trace(trace_name, duration, prompt_tokens, output_tokens, args.seed)
@@ -166,14 +192,18 @@ def main(argv=None) -> int:
         rates[trace_name] = ([10 * i + 5 for i in range(len(bins))], [n / 10 for n in bins])
         results[trace_name] = {name: {"by_warmup_s": {}} for name in POLICIES}
         oracle[trace_name] = {}
+        static[trace_name] = {}
         for warmup in warmups:
-            for policy in make_policies(limits, model, warmup, args):
+            for policy in make_policies(limits, model, warmup, args, mean_lengths(prompt_tokens, output_tokens)):
                 cluster = Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, warmup)
                 summary = simulate(policy, trace, cluster, limits, record_every_s=5.0)
                 timelines[(trace_name, warmup, policy.name)] = summary.pop("timeline")
                 results[trace_name][policy.name]["by_warmup_s"][f"{warmup:g}"] = summary
             cluster = lambda w=warmup: Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, w)  # noqa: E731
             oracle[trace_name][f"{warmup:g}"] = cheapest_oracle(trace, cluster, limits, warmup, capacity)
+            if not static[trace_name]:  # warm from the start and never scaled: the same at every warm-up time
+                fleet = cheapest_static_fleet(trace, cluster, limits)
+            static[trace_name][f"{warmup:g}"] = fleet
     headline = 120.0 if 120.0 in warmups else warmups[0]
     for by_policy in results.values():
         for entry in by_policy.values():
@@ -194,13 +224,15 @@ def main(argv=None) -> int:
         "min_workers": args.min_workers,
         "max_workers": args.max_workers,
         "tokend_min_standby": args.min_standby,
+        "tokend_peak_rps": args.peak_rps,
         "scale_down_delay_s": args.scale_down_delay_s,
         "ray_target_ongoing": args.ray_target_ongoing,
         "seed": args.seed,
         "sim_seconds": None,
     }
     labels = [f"{w:g}" for w in warmups]
-    output = {"traces": results, "oracle": oracle, "checks": checks(results, oracle, labels), "params": params}
+    output = {"traces": results, "oracle": oracle, "static_fleet": static,
+              "checks": checks(results, oracle, static, labels), "params": params}  # fmt: skip
     if args.plot_dir:
         output["plots"] = plot(output, timelines, rates, args.plot_dir)
     params["sim_seconds"] = round(time.monotonic() - began, 1)

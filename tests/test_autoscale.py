@@ -23,6 +23,29 @@ def _desired(daemon: Daemon) -> float:
     return daemon.metric("tokend:desired_replicas", model_name=TINY_RANDOM_MODEL_NAME, role="mixed")
 
 
+def _burst(daemon: Daemon, max_tokens: int) -> tuple[list[threading.Thread], list, list]:
+    """BURST greedy streams of `max_tokens` each, started at once; each thread appends (finish reason, completion
+    tokens) to the results or the error to the failures when its stream ends."""
+    results, failures = [], []
+
+    def stream(i: int) -> None:
+        request = pb.GenerateRequest(
+            model=TINY_RANDOM_MODEL_NAME,
+            prompt=f"burst {i}",
+            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
+        try:
+            chunks = list(daemon.generation.Generate(request, timeout=300))
+            results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
+        except Exception as error:  # noqa: BLE001 (any failure is what the assertion reports)
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(BURST)]
+    for thread in threads:
+        thread.start()
+    return threads, results, failures
+
+
 def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
     flags = ["--model", TINY_RANDOM_MODEL_NAME, "--spare-devices", "cpu,cpu", "--max-num-seqs", "4",
              "--autoscale-max-workers", "2", "--min-standby", "1", "--interactive-ttft-target", "30",
@@ -33,23 +56,7 @@ def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
         standby = next(w for w, s in _states(daemon).items() if s == "standby")
         daemon.wait_for(lambda: _desired(daemon) == 1, timeout=30)
 
-        results, failures = [], []
-
-        def stream(i: int) -> None:
-            request = pb.GenerateRequest(
-                model=TINY_RANDOM_MODEL_NAME,
-                prompt=f"burst {i}",
-                sampling=pb.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True),
-            )
-            try:
-                chunks = list(daemon.generation.Generate(request, timeout=300))
-                results.append((chunks[-1].finish_reason, chunks[-1].usage.completion_tokens))
-            except Exception as error:  # noqa: BLE001 (any failure is what the assertion reports)
-                failures.append(repr(error))
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(BURST)]
-        for thread in threads:
-            thread.start()
+        threads, results, failures = _burst(daemon, max_tokens=300)
         # The queue passes what one worker holds (a generous TTFT target: nothing is shed): the standby serves.
         daemon.wait_for(lambda: _states(daemon).get(standby) == "serving", timeout=60)
         assert _desired(daemon) == 2
@@ -75,3 +82,30 @@ def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
                                                                            "worker_starting")]  # fmt: skip
         up = next(i for i, e in enumerate(events) if e["event"] == "autoscale" and e["direction"] == "up")
         assert events[up + 1]["event"] == "worker_promoted", events
+
+
+def test_with_a_declared_peak_quiet_demotes_the_extra_worker_to_a_warm_standby():
+    """--autoscale-peak-rps holds warm workers for the peak: at rest the second group waits as a standby, a burst
+    promotes it, and when the load is quiet again the extra worker goes back to standby instead of retiring (its
+    streams finish there), so the next burst needs no warm-up either."""
+    flags = ["--model", TINY_RANDOM_MODEL_NAME, "--spare-devices", "cpu", "--max-num-seqs", "4",
+             "--autoscale-max-workers", "2", "--autoscale-peak-rps", "1000", "--interactive-ttft-target", "30",
+             "--autoscale-scale-down-delay", str(QUIET_DELAY_S)]  # fmt: skip
+    with Daemon(*flags) as daemon:
+        # No min_standby: the standby is there for the declared peak (no step time measured yet: all it may hold).
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=120)
+        standby = next(w for w, s in _states(daemon).items() if s == "standby")
+        threads, results, failures = _burst(daemon, max_tokens=200)
+        daemon.wait_for(lambda: _states(daemon).get(standby) == "serving", timeout=60)
+        for thread in threads:
+            thread.join(timeout=300)
+        assert failures == [] and results == [("length", 200)] * BURST
+        # Quiet for the delay: one worker flips back to standby; nothing retires and nothing loads.
+        daemon.wait_for(lambda: daemon.log_entries("worker_demoted"), timeout=60 + QUIET_DELAY_S)
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=30)
+        assert daemon.log_entries("worker_retired") == []
+        assert len(daemon.log_entries("worker_starting")) == 1  # the standby, at start; none since
+        (decision,) = daemon.admin.GetLoad(pb.GetLoadRequest()).autoscale
+        assert decision.desired_replicas == 1 and decision.desired_standby == 1
+        assert decision.peak_requests_per_second == 1000
+        assert daemon.metric("tokend:desired_standby", model_name=TINY_RANDOM_MODEL_NAME) == 1

@@ -21,7 +21,7 @@ def report(incarnation: str, steps: int, tokens: int, total_ms: float) -> LoadRe
 
 
 def test_the_step_model_is_fitted_from_the_steps_between_reports_and_skips_the_cold_ones():
-    inputs = AutoscaleInputs(history_s=300)
+    inputs = AutoscaleInputs(history_s=300, window_s=30, peak_memory_s=3600)
     steps = tokens = 0
     total_ms = 0.0
     for i in range(40):
@@ -36,10 +36,20 @@ def test_the_step_model_is_fitted_from_the_steps_between_reports_and_skips_the_c
 
 
 def test_a_restarted_worker_starts_its_samples_over_and_old_arrivals_age_out():
-    inputs = AutoscaleInputs(history_s=60)
+    inputs = AutoscaleInputs(history_s=60, window_s=30, peak_memory_s=3600)
     inputs.load_reported("m", "m/0", report("a", 1000, 50_000, 10_000.0))
     inputs.load_reported("m", "m/0", report("b", 10, 500, 100.0))  # a new incarnation: no difference to take
     assert inputs.step_model("m") is None
     for t in (0.0, 30.0, 100.0):
         inputs.request_finished("m", t, 12, 34)
     assert inputs.arrivals("m") == [(100.0, 12, 34)]
+
+
+def test_arrivals_are_counted_per_window_for_the_peak_and_forgotten_after_its_memory():
+    inputs = AutoscaleInputs(history_s=60, window_s=30, peak_memory_s=120)
+    for t in (1.0, 2.0, 3.0, 31.0):
+        inputs.request_finished("m", t, 12, 34)
+    assert inputs.window_counts("m") == {0: 3, 1: 1}
+    inputs.request_finished("m", 200.0, 12, 34)
+    assert inputs.window_counts("m") == {6: 1}  # 0-60 s is more than 120 s before the latest arrival
+    assert inputs.window_counts("other") == {}

@@ -1,5 +1,6 @@
 """The autoscaler's policy (common/autoscale_policy.py): when the fast loop scales up, holds and scales down, the
-floor and ceiling, the step-time fit that leaves cold-start steps out, and the forecast floor following a trend."""
+floor and ceiling, the step-time fit that leaves cold-start steps out, the forecast floor following a trend, and the
+standbys held warm for the peak."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from common.autoscale_policy import (
     fit_step_model,
     forecast_floor,
     forecast_load,
+    peak_rate,
+    standby_target,
     worker_capacity,
 )
 
@@ -27,9 +30,9 @@ def worker(ttft: float = 0.1, running: int = 4, waiting: int = 0, slots: int = 3
     return WorkerSnapshot(projected_ttft_s=ttft, num_running=running, num_waiting=waiting, max_num_seqs=slots)
 
 
-def load(now: float, workers, queue: int = 0, wait: float = 0.0, starting: int = 0) -> LoadSnapshot:
+def load(now: float, workers, queue: int = 0, wait: float = 0.0, starting: int = 0, standby: int = 0) -> LoadSnapshot:
     return LoadSnapshot(now=now, workers=list(workers), queue_depth=queue, queue_wait_s=wait, ttft_target_s=TARGET,
-                        num_standby=1, num_starting=starting)  # fmt: skip
+                        num_standby=standby, num_starting=starting)  # fmt: skip
 
 
 POLICY = AutoscalePolicy(max_workers=4, scale_down_delay_s=60.0)
@@ -62,6 +65,16 @@ def test_holds_while_a_worker_is_starting_then_acts_again_once_it_serves():
     assert (during.desired, during.direction, during.reason) == (2, "hold", "starting")
     after = decide(load(20, [worker(0.95), worker(0.95)]), POLICY, state)
     assert (after.desired, after.direction) == (3, "up")
+
+
+def test_a_warm_standby_is_promoted_every_tick_the_overshoot_lasts_without_waiting_out_a_cooldown():
+    # A promotion is a routing flip whose effect the next tick sees; a cold start is not, so it waits.
+    state = AutoscaleState()
+    assert decide(load(0, [worker(0.95)], standby=2), POLICY, state).desired == 2
+    again = decide(load(1, [worker(0.95), worker(0.95)], starting=0, standby=1), POLICY, state)
+    assert (again.desired, again.direction, again.reason) == (3, "up", "ttft")
+    cold = decide(load(2, [worker(0.95)] * 3, starting=0, standby=0), POLICY, state)
+    assert (cold.direction, cold.reason) == ("hold", "cooldown")
 
 
 def test_scales_down_one_worker_only_after_the_quiet_delay():
@@ -121,6 +134,8 @@ def test_the_forecast_floor_raises_desired_and_holds_off_scale_down():
         ({"max_workers": 2, "ttft_fraction": 1.5}, "ttft_fraction"),
         ({"max_workers": 2, "min_standby": -1}, "min_standby"),
         ({"max_workers": 2, "scale_down_delay_s": -1}, "scale_down_delay_s"),
+        ({"max_workers": 2, "peak_rps": -1.0}, "peak_rps"),
+        ({"max_workers": 2, "peak_memory_s": -5.0}, "peak_memory_s"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_its_field(options, field):
@@ -171,9 +186,63 @@ def test_the_forecast_rises_with_a_rising_trend():
     assert forecast_floor([], 300, 120, model, policy, **shape) == policy.min_workers
 
 
+def test_a_declared_peak_bounds_the_trend_but_not_the_load_already_seen():
+    steep = _arrivals(lambda t: 1.0 + 5.0 * t / 300, 300, random.Random(2))  # 6 req/s at the end, rising fast
+    free = forecast_load(steep, 300, 300, AutoscalePolicy(max_workers=16)).rate
+    bounded = forecast_load(steep, 300, 300, AutoscalePolicy(max_workers=16, peak_rps=7.0)).rate
+    assert free > 8.0 and bounded == 7.0  # extrapolated past the peak only when none is declared
+    low_peak = forecast_load(steep, 300, 300, AutoscalePolicy(max_workers=16, peak_rps=2.0)).rate
+    assert low_peak >= 5.0  # a load already above the declared peak is still planned for
+
+
 def test_worker_capacity_keeps_the_prefill_under_the_target():
     model = StepTimeModel(base_ms=11.0, per_token_ms=0.36)
     loose = worker_capacity(model, 1024, 256, ttft_target_s=2.0, max_num_seqs=32, max_num_batched_tokens=512)
     tight = worker_capacity(model, 1024, 256, ttft_target_s=0.5, max_num_seqs=32, max_num_batched_tokens=512)
     assert loose.ttft_s <= 2.0 and loose.requests_per_s > 0
     assert tight.requests_per_s <= loose.requests_per_s
+
+
+def test_the_peak_is_the_declared_rate_or_the_busiest_remembered_window_whichever_is_higher():
+    policy = AutoscalePolicy(max_workers=8, peak_rps=2.0, peak_memory_s=600.0, forecast_window_s=30.0)
+    counts = {0: 300, 10: 30, 30: 90}  # windows at 0 s (10 req/s), 300 s (1 req/s) and 900 s (3 req/s)
+    assert peak_rate(counts, now=550.0, policy=policy) == 10.0  # the burst at 0 s is still remembered
+    assert peak_rate(counts, now=920.0, policy=policy) == 3.0  # 600 s later it is forgotten
+    assert peak_rate({}, now=0.0, policy=policy) == 2.0  # nothing seen yet: the declared peak
+    forgetful = AutoscalePolicy(max_workers=8, peak_memory_s=0.0, forecast_window_s=30.0)
+    assert peak_rate(counts, now=920.0, policy=forgetful) == 3.0  # the current window only
+
+
+def test_standbys_hold_warm_capacity_for_the_peak_beside_the_serving_workers():
+    policy = AutoscalePolicy(max_workers=10, min_standby=1, forecast_headroom=0.8)
+    state = AutoscaleState()
+    # 8 req/s at 2 req/s a worker, planned at 80%: 5 warm workers; with 1 serving, 4 wait as standbys.
+    assert standby_target(8.0, 2.0, active=1, now=0.0, policy=policy, state=state) == 4
+    assert standby_target(8.0, 2.0, active=4, now=1.0, policy=policy, state=state) == 1  # promoted: fewer wait
+    assert standby_target(8.0, 2.0, active=6, now=2.0, policy=policy, state=state) == 1  # never under min_standby
+    assert standby_target(0.0, 2.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1  # no peak
+    # A declared peak before any step time is measured: every worker the ceiling allows is held warm.
+    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 9
+
+
+def test_the_reserve_grows_at_once_and_shrinks_by_one_each_scale_down_delay():
+    policy = AutoscalePolicy(max_workers=10, scale_down_delay_s=60.0, forecast_headroom=1.0)
+    state = AutoscaleState()
+    assert standby_target(8.0, 2.0, active=1, now=0.0, policy=policy, state=state) == 3
+    # Request sizes wobble, so the capacity does: a smaller reserve waits out the delay, then goes one at a time...
+    assert standby_target(4.0, 2.0, active=1, now=10.0, policy=policy, state=state) == 3
+    assert standby_target(4.0, 2.0, active=1, now=69.0, policy=policy, state=state) == 3
+    assert standby_target(4.0, 2.0, active=1, now=70.0, policy=policy, state=state) == 2
+    assert standby_target(4.0, 2.0, active=1, now=129.0, policy=policy, state=state) == 2
+    assert standby_target(4.0, 2.0, active=1, now=130.0, policy=policy, state=state) == 1
+    assert standby_target(4.0, 2.0, active=1, now=500.0, policy=policy, state=state) == 1  # at what it wants
+    # ...a larger one is held at once, and a wobble back up resets the wait.
+    assert standby_target(12.0, 2.0, active=1, now=501.0, policy=policy, state=state) == 5
+    assert standby_target(4.0, 2.0, active=1, now=510.0, policy=policy, state=state) == 5
+    assert standby_target(12.0, 2.0, active=1, now=530.0, policy=policy, state=state) == 5
+    assert standby_target(4.0, 2.0, active=1, now=589.0, policy=policy, state=state) == 5
+
+
+def test_the_reserve_never_passes_the_ceiling():
+    policy = AutoscalePolicy(max_workers=3, forecast_headroom=1.0)
+    assert standby_target(100.0, 1.0, active=1, now=0.0, policy=policy, state=AutoscaleState()) == 2

@@ -1,5 +1,6 @@
 """scripts/sim_autoscale.py --smoke: the JSON a reader of docs/benchmarks/autoscale.json relies on, and tokend's
-policy meeting the TTFT target on the step burst at least as often as the two reactive policies."""
+policy meeting the TTFT target on the step burst at least as often as the two reactive policies, the yardsticks, and
+the reserve for the peak: a burst served by promotions, and a worker demoted back to standby finishing its streams."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = {"utilisation", "ongoing_requests", "reactive_ttft", "tokend"}
+POLICIES = {"utilisation", "ongoing_requests", "reactive_ttft", "tokend", "tokend_learned_peak"}
 
 
 def test_smoke_run_reports_every_trace_and_policy(tmp_path):
@@ -46,7 +47,7 @@ def test_the_oracle_meets_the_goal_for_no_more_worker_seconds_than_any_policy_th
     from autoscale_sim.policies import Limits
     from autoscale_sim.run import simulate
     from autoscale_sim.traces import make_trace
-    from sim_autoscale import make_policies, parse_args, size_requests
+    from sim_autoscale import make_policies, mean_lengths, parse_args, size_requests
 
     from common.autoscale_policy import StepTimeModel
 
@@ -58,7 +59,73 @@ def test_the_oracle_meets_the_goal_for_no_more_worker_seconds_than_any_policy_th
     cluster = lambda: Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, 30.0)  # noqa: E731
     oracle = cheapest_oracle(trace, cluster, limits, 30.0, capacity, goal=0.95)
     assert oracle["meets_goal"] and oracle["ttft_attainment"] >= 0.95
-    for policy in make_policies(limits, model, 30.0, args):
+    for policy in make_policies(limits, model, 30.0, args, mean_lengths(prompt, output)):
         run = simulate(policy, trace, cluster(), limits)
         if run["ttft_attainment"] >= oracle["ttft_attainment"]:
             assert oracle["worker_seconds"] <= run["worker_seconds"], policy.name
+
+
+def _setup(warmup_s: float, duration_s: float = 300.0):
+    sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
+    from autoscale_sim.cluster import Cluster
+    from autoscale_sim.policies import Limits
+    from autoscale_sim.traces import make_trace
+    from sim_autoscale import parse_args, size_requests
+
+    from common.autoscale_policy import StepTimeModel
+
+    args = parse_args(["--step-ms-base", "11.4", "--step-ms-per-token", "0.358"])
+    model = StepTimeModel(11.4, 0.358)
+    prompt, output, _ = size_requests(model, args)
+    trace = make_trace("step_burst", duration_s, prompt, output, seed=0)
+    limits = Limits(args.min_workers, args.max_workers, args.scale_down_delay_s, args.ttft_target_s)
+    cluster = lambda: Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, warmup_s)  # noqa: E731
+    return args, model, (prompt, output), trace, limits, cluster
+
+
+def test_the_cheapest_static_fleet_is_the_smallest_that_meets_the_goal():
+    from autoscale_sim.run import simulate
+    from autoscale_sim.static_fleet import StaticFleet, cheapest_static_fleet
+
+    _, _, _, trace, limits, cluster = _setup(30.0)
+    fleet = cheapest_static_fleet(trace, cluster, limits, goal=0.95)
+    assert fleet["meets_goal"] and fleet["ttft_attainment"] >= 0.95
+    smaller = fleet["workers"] - 1
+    fixed = limits.__class__(smaller, smaller, limits.scale_down_delay_s, limits.ttft_target_s)
+    assert simulate(StaticFleet(smaller), trace, cluster(), fixed)["ttft_attainment"] < 0.95
+
+
+def test_a_declared_peak_serves_a_burst_longer_warm_ups_cannot_reach_in_time():
+    # A 300 s step burst at 120 s warm-up: the burst is over before most cold starts would serve.
+    from autoscale_sim.run import simulate
+    from sim_autoscale import make_policies, mean_lengths
+
+    args, model, lengths, trace, limits, cluster = _setup(120.0)
+    runs = {p.name: simulate(p, trace, cluster(), limits) for p in make_policies(limits, model, 120.0, args,
+                                                                                 mean_lengths(*lengths))}  # fmt: skip
+    assert runs["tokend"]["ttft_attainment"] >= 0.95
+    for other in ("utilisation", "reactive_ttft", "tokend_learned_peak"):
+        assert runs["tokend"]["ttft_attainment"] > runs[other]["ttft_attainment"], other
+
+
+def test_a_demoted_worker_finishes_its_streams_and_serves_again_without_a_warm_up():
+    from collections import deque
+
+    from autoscale_sim.cluster import Request
+
+    _, _, _, _, _, cluster = _setup(120.0)
+    c = cluster()
+    c.add_warm(0.0)
+    c.add_warm(0.0)
+    c.queue.extend(Request(0.0, 64, 50) for _ in range(4))
+    c.advance(deque(), 0.05)
+    busy = [w for w in c.workers if w.running]
+    assert busy
+    c.reconcile(0.05, desired=1, standby=1)  # down by one while a standby is wanted: demoted, not retired
+    assert len(c.workers) == 2 and len(c.standbys(0.05)) == 1
+    demoted = c.standbys(0.05)[0]
+    c.advance(deque(), 60.0)  # its streams run to the end, though it takes nothing new
+    assert not demoted.running and all(w.running == 0 for w in c.workers)
+    assert len(c.ttfts) == 4
+    c.reconcile(60.0, desired=2, standby=0)  # promoted again: serving at once, no warm-up
+    assert len(c.serving(60.0)) == 2 and c.worker_seconds(60.0) == 120.0

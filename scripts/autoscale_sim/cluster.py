@@ -96,10 +96,11 @@ class Cluster:
     def billed(self) -> int:
         return len(self.workers)
 
-    def reconcile(self, now: float, desired: int, min_standby: int) -> None:
+    def reconcile(self, now: float, desired: int, standby: int) -> None:
         """Move toward `desired` workers serving or starting toward serving: promote standbys first (a routing
-        flip), then start cold ones; going down, cancel the newest start, else drain the least busy server. Then
-        keep `min_standby` standbys warm or warming."""
+        flip), then start cold ones; going down, cancel the newest start, else take the least busy server out of
+        routing: it becomes a standby if fewer than `standby` are kept (its streams finish on it), else it drains
+        and retires. Then keep `standby` standbys warm or warming, stopping any beyond them."""
         current = len(self.serving(now)) + len(self.starting(now, standby=False))
         while current < desired:
             ready = self.standbys(now) or self.starting(now, standby=True)
@@ -114,12 +115,20 @@ class Cluster:
                 self._retire(cold[-1], now)
             else:
                 victim = min(self.serving(now), key=lambda w: w.running)
-                victim.draining = True
-                if not victim.running:
-                    self._retire(victim, now)
+                if len([w for w in self.workers if w.standby]) < standby:
+                    victim.standby = True  # demoted: a routing flip back
+                else:
+                    victim.draining = True
+                    if not victim.running:
+                        self._retire(victim, now)
             current -= 1
-        for _ in range(min_standby - len([w for w in self.workers if w.standby])):
+        standbys = [w for w in self.workers if w.standby]
+        for _ in range(standby - len(standbys)):
             self.start(now, standby=True)
+        surplus = max(0, len(standbys) - standby)
+        for extra in sorted(standbys, key=lambda w: (w.ready_at <= now, -w.started_at))[:surplus]:
+            if not extra.running:  # a demoted one still finishing its streams is kept until the next tick
+                self._retire(extra, now)
 
     def _retire(self, worker: Worker, now: float) -> None:
         self.retired_worker_seconds += now - worker.started_at
@@ -153,7 +162,7 @@ class Cluster:
         order = itertools.count()
         heap = []
         for w in self.workers:
-            if w.ready_at < until and not w.standby:
+            if w.ready_at < until and (not w.standby or w.running):
                 w.clock = max(w.clock, w.ready_at)
                 heap.append((w.clock, next(order), w))
         heapq.heapify(heap)
@@ -163,9 +172,11 @@ class Cluster:
                 continue
             while arrivals and arrivals[0].arrival <= at:
                 self.queue.append(arrivals.popleft())
-            if not w.draining:
+            if not w.draining and not w.standby:
                 self._take(w)
             if not w.running:
+                if w.standby:
+                    continue  # a demoted worker whose streams ended: warm, not routed
                 if w.draining:
                     self._retire(w, at)
                     continue
@@ -177,7 +188,7 @@ class Cluster:
             w.clock = at + self._step(w, at)
             heapq.heappush(heap, (w.clock, next(order), w))
         for w in self.workers:
-            if w.clock < until and not w.standby and w.ready_at <= until:
+            if w.clock < until and w.ready_at <= until:
                 w.clock = until  # idle to the tick's end
         while arrivals and arrivals[0].arrival < until:
             self.queue.append(arrivals.popleft())

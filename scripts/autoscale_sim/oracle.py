@@ -24,7 +24,7 @@ from autoscale_sim.run import simulate
 
 class Oracle:
     name = "oracle"
-    min_standby = 0
+    standby_wanted = 0
 
     def __init__(self, limits: Limits, trace, warmup_s: float, capacity_rps: float, headroom: float,
                  window_s: float = 10.0):  # fmt: skip

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-POLICIES = ("utilisation", "ongoing_requests", "reactive_ttft", "tokend")
+POLICIES = ("utilisation", "ongoing_requests", "reactive_ttft", "tokend", "tokend_learned_peak")
 COLORS = {"utilisation": "tab:gray", "ongoing_requests": "tab:orange", "reactive_ttft": "tab:blue",
-          "tokend": "tab:green"}  # fmt: skip
+          "tokend": "tab:green", "tokend_learned_peak": "tab:olive"}  # fmt: skip
 
 
 def plot(results: dict, timelines: dict, rates: dict, plot_dir: Path) -> list[str]:

@@ -9,7 +9,11 @@ serving or starting toward serving (the cluster reconciles). All share the floor
   reactive_ttft     observed TTFT p90 of the last 30 s over the target: +1 worker (one start in flight at a time);
                     p90 under half the target with an empty queue for the scale-down delay: -1.
   tokend            common.autoscale_policy: decide() every tick on projected TTFT + queue wait and queue depth,
-                    forecast_floor() every 2 s over the warm-up horizon, and min_standby warm standbys.
+                    forecast_floor() every 2 s over the warm-up horizon, and warm standbys for the peak
+                    (standby_target: the operator's declared peak rate, or the busiest window remembered, whichever
+                    is higher; min_standby at least); scaling down demotes a worker to standby while the peak's
+                    reserve wants one.
+  tokend_learned_peak  the same with no declared peak: it holds warm workers only for the peaks it has seen.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from common.autoscale_policy import (
     StepTimeModel,
     decide,
     forecast_floor,
+    peak_rate,
+    standby_target,
+    worker_capacity,
 )
 
 
@@ -52,7 +59,7 @@ class Observed:
 
 class Utilisation:
     name = "utilisation"
-    min_standby = 0
+    standby_wanted = 0
 
     def __init__(self, limits: Limits, target: float = 0.8, sync_s: float = 15.0, tolerance: float = 0.1):
         self.limits, self.target, self.sync_s, self.tolerance = limits, target, sync_s, tolerance
@@ -84,7 +91,7 @@ class Utilisation:
 
 class OngoingRequests:
     name = "ongoing_requests"
-    min_standby = 0
+    standby_wanted = 0
 
     def __init__(self, limits: Limits, target_ongoing: float = 2.0, look_back_s: float = 30.0,
                  interval_s: float = 10.0, upscale_delay_s: float = 30.0):  # fmt: skip
@@ -122,7 +129,7 @@ class OngoingRequests:
 
 class ReactiveTtft:
     name = "reactive_ttft"
-    min_standby = 0
+    standby_wanted = 0
 
     def __init__(self, limits: Limits, window_s: float = 30.0):
         self.limits, self.window_s = limits, window_s
@@ -154,27 +161,39 @@ class ReactiveTtft:
 
 
 class Tokend:
-    name = "tokend"
-
     def __init__(self, limits: Limits, step_model: StepTimeModel, warmup_s: float, min_standby: int,
-                 max_num_batched_tokens: int, floor_every_s: float = 2.0):  # fmt: skip
+                 max_num_batched_tokens: int, max_num_seqs: int, peak_rps: float = 0.0,
+                 typical_request: tuple[float, float] = (0.0, 0.0), floor_every_s: float = 2.0,
+                 name: str = "tokend"):  # fmt: skip
+        self.name = name
         self.policy = AutoscalePolicy(
             max_workers=limits.max_workers,
             min_workers=limits.min_workers,
             min_standby=min_standby,
             scale_down_delay_s=limits.scale_down_delay_s,
+            peak_rps=peak_rps,
         )
         self.limits, self.step_model, self.warmup_s = limits, step_model, warmup_s
-        self.min_standby = min_standby
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.floor_every_s = floor_every_s
         self.state = AutoscaleState()
         self.floor = limits.min_workers
         self.reasons: dict[str, int] = {}
+        self.window_counts: dict[int, int] = {}  # arrivals per forecast window, for the peak
+        self.counted = 0  # arrivals already in window_counts
+        # what the daemon starts with: the standbys its configured peak asks for, sized by a typical request
+        self.standby_wanted = self._standbys(peak_rps, *typical_request, active=limits.min_workers)
+
+    def _standbys(self, peak_rps: float, prompt: float, output: float, active: int, now: float = 0.0) -> int:
+        target_s = self.policy.ttft_fraction * self.limits.ttft_target_s
+        capacity = worker_capacity(self.step_model, prompt, output, target_s, self.max_num_seqs,
+                                   self.max_num_batched_tokens)  # fmt: skip
+        return standby_target(peak_rps, capacity.requests_per_s, active, now, self.policy, self.state)
 
     def tick(self, cluster: Cluster, seen: Observed) -> int:
         recent = seen.arrivals[-200:]
         prompt = sum(a[1] for a in recent) / len(recent) if recent else 0.0
+        output = sum(a[2] for a in recent) / len(recent) if recent else 0.0
         if seen.now % self.floor_every_s == 0:
             since = bisect.bisect_left(seen.arrivals, (seen.now - self.policy.forecast_history_s,))
             self.floor = forecast_floor(
@@ -195,4 +214,11 @@ class Tokend:
         if decision.direction != "hold":
             key = f"{decision.direction}:{decision.reason}"
             self.reasons[key] = self.reasons.get(key, 0) + 1
+        for t, _, _ in seen.arrivals[self.counted :]:
+            window = int(t // self.policy.forecast_window_s)
+            self.window_counts[window] = self.window_counts.get(window, 0) + 1
+        self.counted = len(seen.arrivals)
+        if recent:
+            peak = peak_rate(self.window_counts, seen.now, self.policy)
+            self.standby_wanted = self._standbys(peak, prompt, output, decision.desired, seen.now)
         return decision.desired

@@ -17,7 +17,7 @@ def simulate(policy, trace, cluster: Cluster, limits, record_every_s: float = 5.
     end = trace[-1][0] if trace else 0.0
     for _ in range(limits.min_workers):
         cluster.add_warm(0.0)
-    for _ in range(policy.min_standby):
+    for _ in range(policy.standby_wanted):
         cluster.add_warm(0.0, standby=True)
     seen: list[tuple[float, int, int]] = []
     timeline, desired_history = [], []
@@ -33,7 +33,7 @@ def simulate(policy, trace, cluster: Cluster, limits, record_every_s: float = 5.
         scale_downs += desired < last_desired
         last_desired = desired
         desired_history.append(desired)
-        cluster.reconcile(now, desired, policy.min_standby)
+        cluster.reconcile(now, desired, policy.standby_wanted)
         if now % record_every_s == 0:
             timeline.append(
                 {

@@ -328,12 +328,13 @@ def standby_target(
 
     A step to the peak cannot be forecast, and a worker started when it comes serves only a warm-up later: every
     request in between waits. Warm capacity is what serves it, at the cost of holding it while the load is low.
-    `capacity_rps` is one worker's (worker_capacity); 0 when it is not known yet."""
+    `capacity_rps` is one worker's (worker_capacity); 0 when it is not known yet, and then only a declared peak
+    holds workers (all the ceiling allows): a peak merely seen waits for the capacity to size it."""
     usable = capacity_rps * policy.forecast_headroom
     if peak_rps <= 0:
         reserve = 0
-    elif usable <= 0:  # a peak, and no step time measured yet to size it: hold all the ceiling allows
-        reserve = policy.max_workers
+    elif usable <= 0:  # no step time measured yet to size it: a declared peak holds all the ceiling allows
+        reserve = policy.max_workers if policy.peak_rps > 0 else 0
     else:  # planned at forecast_headroom of capacity, as the forecast floor plans: a peak held runs below 100 %
         reserve = min(policy.max_workers, math.ceil(peak_rps / usable))
     if reserve >= state.reserve:

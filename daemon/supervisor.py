@@ -169,7 +169,13 @@ class Supervisor:
                     self.control.send(TenantsUpdate(list(self.config.tenants)))
             elif isinstance(message, ScaleCommand):
                 if message.model_name in self.pool.rollouts:
-                    self.pool.scale(message.model_name, message.serving, message.standby, message.reason)
+                    self.pool.scale(
+                        message.model_name,
+                        message.serving,
+                        message.standby,
+                        message.reason,
+                        prefill=message.role == "prefill",
+                    )
             elif isinstance(message, RolloutCommand):
                 result = handle_rollout(self.pool, message)
                 log = self.log.warning if result.error else self.log.info

@@ -68,7 +68,7 @@ class Worker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.spec.worker_id, self.model_name, self.slot.group, self.slot.devices,
                           self.spec.input_address, self.epoch, self.path, self.state,
-                          pid=self.child.pid or 0, warmup_seconds=self.warmup_seconds,
+                          role=self.slot.role, pid=self.child.pid or 0, warmup_seconds=self.warmup_seconds,
                           standby=self.standby_when_warm and self.state != WorkerState.SERVING)  # fmt: skip
 
 
@@ -84,6 +84,10 @@ class Rollout:
     strategy: RolloutStrategy = RolloutStrategy.SURGE
     canary_percent: int = 0
     standby_count: int = 0  # pre-warmed workers kept beside the serving ones (min_standby)
+    # Of target_count, the prefill pool's (disaggregated serving), and its own standbys; the rest are the routed
+    # pool's (decode and mixed workers), which standby_count is for.
+    prefill_count: int = 0
+    prefill_standby: int = 0
     history: list[tuple[int, str]] = field(default_factory=list)  # (epoch, path) of the targets before this one
     phase: str = "none"
     error: str = ""
@@ -110,8 +114,10 @@ class WorkerPool:
         for model in config.served_models():
             home = [slot for slot in self.slots if slot.owner == model.name]
             path = model.path or model.name
+            prefill, standby = sum(slot.role == "prefill" for slot in home), config.autoscale.min_standby
             self.rollouts[model.name] = Rollout(model, target_count=len(home), path=path, weights=weights_of(path),
-                                                standby_count=config.autoscale.min_standby)  # fmt: skip
+                                                standby_count=standby, prefill_count=prefill,
+                                                prefill_standby=standby if prefill else 0)  # fmt: skip
             for slot in home:
                 self._add_worker(model, slot, 0, path, configured=True)
 
@@ -265,11 +271,21 @@ class WorkerPool:
                 self._changed(f"rollout_{rollout.phase}", rollout.model.name, epoch=rollout.epoch, path=rollout.path)
 
     def _scale(self, rollout: Rollout) -> None:
-        """Between rollouts: the serving and standby counts the autoscaler (and min_standby) ask for."""
+        """Between rollouts: the serving and standby counts the autoscaler (and min_standby) ask for, for each pool
+        of the model apart (its prefill workers, and the routed ones), each on the free groups of its role."""
         mine = [w for w in self.workers if w.model_name == rollout.model.name and w.epoch == rollout.epoch]
-        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index, w.standby_when_warm) for w in mine]
         spare = self.spare_slots(rollout.model.name, RolloutStrategy.SURGE)
-        action = next_scaling_action(rollout.target_count, rollout.standby_count, planned, spare)
+        pools = [(False, rollout.target_count - rollout.prefill_count, rollout.standby_count)]
+        if rollout.prefill_count:
+            pools.append((True, rollout.prefill_count, rollout.prefill_standby))
+        for prefill, serving, standby in pools:
+            members = [w for w in mine if (w.slot.role == "prefill") == prefill]
+            planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index, w.standby_when_warm)
+                       for w in members]  # fmt: skip
+            free = [i for i in spare if (self.slots[i].role == "prefill") == prefill]
+            self._act(rollout, members, next_scaling_action(serving, standby, planned, free))
+
+    def _act(self, rollout: Rollout, members: list[Worker], action) -> None:
         if isinstance(action, StartWorker):
             worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
             worker.standby_when_warm = action.standby
@@ -277,30 +293,40 @@ class WorkerPool:
             self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
                           standby=action.standby, devices=worker.slot.devices)  # fmt: skip
         elif isinstance(action, PromoteWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+            for worker in [w for w in members if w.spec.worker_id in action.worker_ids]:
                 worker.standby_when_warm = False  # one still loading serves once warm; a restart serves too
                 if worker.state == WorkerState.STANDBY:
                     worker.state = WorkerState.SERVING
                 self._changed("worker_promoted", rollout.model.name, worker=worker.spec.worker_id)
         elif isinstance(action, DemoteWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+            for worker in [w for w in members if w.spec.worker_id in action.worker_ids]:
                 worker.state, worker.standby_when_warm = WorkerState.STANDBY, True
                 self._changed("worker_demoted", rollout.model.name, worker=worker.spec.worker_id)
         elif isinstance(action, DrainWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+            for worker in [w for w in members if w.spec.worker_id in action.worker_ids]:
                 self._drain(worker)
         elif isinstance(action, StopWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
+            for worker in [w for w in members if w.spec.worker_id in action.worker_ids]:
                 self._stop_unready(worker)
 
-    def scale(self, model_name: str, serving: int, standby: int, reason: str) -> None:
-        """The autoscaler's counts for a model; bounded by its groups, the spares included."""
+    def scale(self, model_name: str, serving: int, standby: int, reason: str, prefill: bool = False) -> None:
+        """The autoscaler's counts for one pool of a model (its prefill workers, or the routed ones); bounded by
+        its groups, the spares included."""
         rollout = self.rollouts[model_name]
+        if prefill and not rollout.prefill_count:
+            return  # a model without prefill workers has no such pool to scale
         serving = max(1, min(serving, len(self.slots)))
-        if (serving, standby) != (rollout.target_count, rollout.standby_count):
-            self._changed("scale", model_name, serving=serving, standby=standby, reason=reason,
-                          previous_serving=rollout.target_count)  # fmt: skip
-            rollout.target_count, rollout.standby_count = serving, standby
+        routed, routed_standby = rollout.target_count - rollout.prefill_count, rollout.standby_count
+        pool = (rollout.prefill_count, rollout.prefill_standby) if prefill else (routed, routed_standby)
+        if (serving, standby) == pool:
+            return
+        self._changed("scale", model_name, serving=serving, standby=standby, reason=reason,
+                      role="prefill" if prefill else "routed", previous_serving=pool[0])  # fmt: skip
+        if prefill:
+            rollout.prefill_count, rollout.prefill_standby = serving, standby
+            rollout.target_count = routed + serving
+        else:
+            rollout.target_count, rollout.standby_count = serving + rollout.prefill_count, standby
 
     def _drain(self, worker: Worker) -> None:
         """No new requests from now on (the frontend tells the worker, which exits once its streams end)."""

@@ -51,6 +51,7 @@ class AdminService(pb_grpc.AdminServicer):
             autoscale=[
                 pb.AutoscaleDecision(
                     model=model,
+                    role=role,
                     desired_replicas=verdict.decision.desired,
                     direction=verdict.decision.direction,
                     reason=verdict.decision.reason,
@@ -59,7 +60,7 @@ class AdminService(pb_grpc.AdminServicer):
                     desired_standby=verdict.standby,
                     peak_requests_per_second=verdict.peak_rps,
                 )  # fmt: skip
-                for model, verdict in decisions
+                for (model, role), verdict in decisions
             ],
         )
 
@@ -116,7 +117,7 @@ class AdminService(pb_grpc.AdminServicer):
             worker_id=state.address.worker_id,
             state=str(state.worker_state),
             generation=state.generation,
-            role=state.role,
+            role=state.role if state.is_ready else state.last_role,
             epoch=state.epoch,
             num_used_pages=report.num_used_pages if report else 0,
             num_pages=report.num_pages if report else 0,

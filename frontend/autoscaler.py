@@ -29,7 +29,7 @@ from frontend.autoscale_inputs import AutoscaleInputs
 from frontend.control_link import ControlLink
 from frontend.control_messages import WorkerState
 from frontend.metrics import FrontendMetrics
-from frontend.scheduler_link import SchedulerLink
+from frontend.scheduler_link import SchedulerLink, SchedulerState
 from frontend.spec import FrontendSpec
 
 TICK_S = 1.0
@@ -54,6 +54,7 @@ class Autoscaler:
             min_workers=settings.autoscale_min_workers,
             min_standby=settings.min_standby,
             ttft_fraction=settings.autoscale_ttft_fraction,
+            quiet_fraction=settings.autoscale_ttft_fraction / 2,  # quiet well under the bound, whatever it is
             scale_down_delay_s=settings.autoscale_scale_down_delay,
             peak_rps=settings.autoscale_peak_rps,
             peak_memory_s=settings.autoscale_peak_memory,
@@ -64,10 +65,10 @@ class Autoscaler:
         self._control = control
         self._metrics = metrics
         self._log = log
-        self._states: dict[str, AutoscaleState] = {}
-        self._sent: dict[str, tuple[int, int]] = {}  # model -> the serving and standby counts last asked
+        self._states: dict[tuple[str, str], AutoscaleState] = {}  # (model, pool role) -> what its loop remembers
+        self._sent: dict[tuple[str, str], tuple[int, int]] = {}  # (model, pool role) -> the counts last asked
         self._warmups_seen: set[str] = set()  # workers whose warm-up time is in the histogram
-        self.latest: dict[str, Verdict] = {}  # model -> its latest decision (Admin.GetLoad)
+        self.latest: dict[tuple[str, str], Verdict] = {}  # (model, pool role) -> its latest decision (GetLoad)
         policy = self._policy
         self.inputs = AutoscaleInputs(policy.forecast_history_s, policy.forecast_window_s, policy.peak_memory_s)
 
@@ -88,41 +89,54 @@ class Autoscaler:
                 self._metrics.worker_warmup_seconds.labels(model).observe(state.warmup_seconds)
         if self._link.expects_capacity(model):
             return  # a rollout is replacing the workers: it decides alone until it is done
-        depth, oldest_wait_s = self._admission.queue_of(model)
+        now = time.monotonic()
+        has_prefill = any(s.last_role == "prefill" for s in workers)
+        await self._tick_pool(model, "decode" if has_prefill else "mixed", workers, now)
+        if has_prefill:  # disaggregated serving: the prefill workers are a pool of their own
+            await self._tick_pool(model, "prefill", workers, now)
+
+    async def _tick_pool(self, model: str, role: str, workers: list[SchedulerState], now: float) -> None:
+        """One pool's decision: the routed workers ("mixed", or "decode" beside a prefill pool) on the frontend's
+        queue, the forecast and the peak; the prefill workers on their own projected TTFT (requests reach them
+        with no queue of their own), with min_standby standbys."""
+        prefill = role == "prefill"
+        members = [s for s in workers if (s.last_role == "prefill") == prefill]
+        depth, oldest_wait_s = (0, 0.0) if prefill else self._admission.queue_of(model)
         snapshot = LoadSnapshot(
-            now=time.monotonic(),
+            now=now,
             workers=[
                 WorkerSnapshot(
                     s.load.projected_ttft_seconds, s.load.num_running, s.load.num_waiting, s.ready.max_num_seqs
                 )  # fmt: skip
-                for s in self._link.ready_schedulers(model)
+                for s in self._link.ready_schedulers(model, prefill)
                 if s.load is not None
             ],
             queue_depth=depth,
             queue_wait_s=oldest_wait_s,
             ttft_target_s=self._ttft_target_s,
-            num_standby=sum(s.worker_state == WorkerState.STANDBY for s in workers),
-            num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in workers),
+            num_standby=sum(s.worker_state == WorkerState.STANDBY for s in members),
+            num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in members),
         )
-        floor = self._forecast_floor(model, snapshot.now)
-        state = self._states.setdefault(model, AutoscaleState())
-        decision = decide(snapshot, self._policy, state, floor)
-        peak = peak_rate(self.inputs.window_counts(model), snapshot.now, self._policy)
-        standby = standby_target(peak, self._capacity_rps(model), decision.desired, snapshot.now, self._policy,
-                                 state)  # fmt: skip
-        self.latest[model] = Verdict(decision, snapshot, standby, peak)
-        self._metrics.desired_replicas.labels(model, "mixed").set(decision.desired)
-        self._metrics.desired_standby.labels(model).set(standby)
-        if (decision.desired, standby) == self._sent.get(model):
+        state = self._states.setdefault((model, role), AutoscaleState())
+        if prefill:
+            decision, peak, standby = decide(snapshot, self._policy, state), 0.0, self._policy.min_standby
+        else:
+            decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now))
+            peak = peak_rate(self.inputs.window_counts(model), now, self._policy)
+            standby = standby_target(peak, self._capacity_rps(model), decision.desired, now, self._policy, state)
+        self.latest[(model, role)] = Verdict(decision, snapshot, standby, peak)
+        self._metrics.desired_replicas.labels(model, role).set(decision.desired)
+        self._metrics.desired_standby.labels(model, role).set(standby)
+        if (decision.desired, standby) == self._sent.get((model, role)):
             return
         if decision.direction != "hold":
             self._metrics.autoscaler_decisions.labels(decision.direction, decision.reason).inc()
-        self._log.info("autoscale", model=model, desired=decision.desired, standby=standby,
+        self._log.info("autoscale", model=model, role=role, desired=decision.desired, standby=standby,
                        peak_rps=round(peak, 3), direction=decision.direction, reason=decision.reason,
                        queue_depth=depth, queue_wait_s=round(oldest_wait_s, 3),
                        effective_ttft_s=round(snapshot.effective_ttft_s, 3))  # fmt: skip
-        self._sent[model] = (decision.desired, standby)
-        await self._control.scale(model, decision.desired, standby, decision.reason)
+        self._sent[(model, role)] = (decision.desired, standby)
+        await self._control.scale(model, decision.desired, standby, decision.reason, role)
 
     def _capacity_rps(self, model: str) -> float:
         """One worker's requests/s within the TTFT target for the recent request sizes, by the fitted step-time

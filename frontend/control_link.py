@@ -66,10 +66,11 @@ class ControlLink:
             self._task.cancel()
         self._context.destroy(linger=0)
 
-    async def scale(self, model_name: str, serving: int, standby: int, reason: str) -> None:
-        """The autoscaler's decision, to the daemon (no answer: the next WorkerSet shows what it did)."""
+    async def scale(self, model_name: str, serving: int, standby: int, reason: str, role: str = "mixed") -> None:
+        """The autoscaler's decision for one pool, to the daemon (no answer: the next WorkerSet shows what it did)."""
+        command = ScaleCommand(model_name, serving, standby, reason, role)
         try:
-            await self._outbox.send(self._codec.encode(ScaleCommand(model_name, serving, standby, reason)), zmq.NOBLOCK)
+            await self._outbox.send(self._codec.encode(command), zmq.NOBLOCK)
         except zmq.Again:
             self._log.warning("scale_command_dropped", model=model_name, detail="the daemon does not read its socket")
 

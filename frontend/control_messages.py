@@ -118,12 +118,14 @@ class RolloutCommand(msgspec.Struct, frozen=True, tag="rollout", forbid_unknown_
 
 
 class ScaleCommand(msgspec.Struct, frozen=True, tag="scale", forbid_unknown_fields=True):
-    """The autoscaler's decision for a model: this many serving workers and pre-warmed standbys."""
+    """The autoscaler's decision for one pool of a model: this many serving workers and pre-warmed standbys."""
 
     model_name: str
     serving: int
     standby: int
     reason: str
+    # The pool: "prefill" (its prefill workers), or "decode"/"mixed" (the workers requests are routed to).
+    role: str = "mixed"
 
 
 ToDaemon = ControlHello | RolloutCommand | ScaleCommand

@@ -144,7 +144,7 @@ class FrontendMetrics:
         )
         self.desired_standby = Gauge(
             "tokend:desired_standby", "Warm standby workers the autoscaler wants beside the serving ones",
-            ["model_name"], registry=r,
+            ["model_name", "role"], registry=r,
         )  # fmt: skip
         self.autoscaler_decisions = Counter(
             "tokend:autoscaler_decisions", "Autoscaler changes by direction and reason", ["direction", "reason"],

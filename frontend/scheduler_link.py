@@ -112,10 +112,13 @@ class SchedulerState:
     def routing_key(self) -> tuple[float, int]:
         """The sooner projected first token, then fewer requests. The projection is as old as the latest load
         report, so each request sent here since counts as one more prompt ahead of the next: otherwise a burst
-        would all go to whichever worker looked fastest before it began."""
+        would all go to whichever worker looked fastest before it began. A first token takes at least one step,
+        so the projection counts one more (its mean step): an idle worker projecting 0 s would otherwise stay at
+        0 s however many requests went to it since."""
         outstanding = len(self.requests) + self.reserved
         reported = self.load.num_running + self.load.num_waiting if self.load is not None else 0
-        return self.projected_ttft_seconds * (1 + max(0, outstanding - reported)), outstanding
+        step_s = self.load.mean_step_ms / 1e3 if self.load is not None else 0.0
+        return (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported)), outstanding
 
 
 @dataclass(eq=False)
@@ -297,7 +300,7 @@ class SchedulerLink:
                 if state.is_ready:
                     self._send(state, DrainWorker(message.drain_timeout_s, str(message.on_drain_timeout)))
             state.worker_state, state.epoch = info.state, info.epoch
-            state.warmup_seconds, state.standby = info.warmup_seconds, info.standby
+            state.warmup_seconds, state.standby, state.last_role = info.warmup_seconds, info.standby, info.role
         for state in [s for s in self.schedulers if s.address.worker_id not in listed]:
             self._retire(state)
         self._on_change()

@@ -108,4 +108,56 @@ def test_with_a_declared_peak_quiet_demotes_the_extra_worker_to_a_warm_standby()
         (decision,) = daemon.admin.GetLoad(pb.GetLoadRequest()).autoscale
         assert decision.desired_replicas == 1 and decision.desired_standby == 1
         assert decision.peak_requests_per_second == 1000
-        assert daemon.metric("tokend:desired_standby", model_name=TINY_RANDOM_MODEL_NAME) == 1
+        assert decision.role == "mixed"
+        assert daemon.metric("tokend:desired_standby", model_name=TINY_RANDOM_MODEL_NAME, role="mixed") == 1
+
+
+def test_prefill_and_decode_pools_scale_apart_each_on_the_spare_groups_of_its_role():
+    """With prefill and decode pools, each is a pool of its own: long prompts that back up the prefill worker start
+    a second prefill worker on the spare prefill group, and once quiet it drains; the decode worker is never
+    drained by the prefill pool's counts (one count for the whole model would have)."""
+    flags = ["--model", TINY_RANDOM_MODEL_NAME, "--device", "cpu=prefill,cpu=decode", "--spare-devices", "cpu=prefill",
+             "--disagg-min-prompt-tokens", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+             "--autoscale-max-workers", "2", "--interactive-ttft-target", "10", "--autoscale-ttft-fraction", "0.1",
+             "--autoscale-scale-down-delay", str(QUIET_DELAY_S)]  # fmt: skip
+    # 64-token steps make a 1,400-token prompt's prefill take 22 of them: a dozen streams back up the prefill
+    # worker past 1 s (10 % of the target), while the admission's 8.5 s (85 %) sheds nothing.
+    with Daemon(*flags) as daemon:
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "serving"], timeout=120)
+        roles = {s.worker_id: s.role for s in daemon.admin.GetLoad(pb.GetLoadRequest()).schedulers}
+        (decode,) = [w for w, role in roles.items() if role == "decode"]
+        stop, results, failures = threading.Event(), [], []
+
+        def keep_prefilling(i: int) -> None:  # long prompts, a few tokens each: the prefill pool's load
+            while not stop.is_set():
+                request = pb.GenerateRequest(
+                    model=TINY_RANDOM_MODEL_NAME,
+                    prompt=" ".join(f"word{i}x{n}" for n in range(150)),
+                    sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                )
+                try:
+                    chunks = list(daemon.generation.Generate(request, timeout=120))
+                    results.append(chunks[-1].usage.completion_tokens)
+                except Exception as error:  # noqa: BLE001 (any failure is what the assertion reports)
+                    failures.append(repr(error))
+
+        threads = [threading.Thread(target=keep_prefilling, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        try:
+            daemon.wait_for(lambda: len(_states(daemon)) == 3 and set(_states(daemon).values()) == {"serving"},
+                            timeout=180)  # fmt: skip
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=180)
+        assert failures == [] and results and set(results) == {4}
+        loads = daemon.admin.GetLoad(pb.GetLoadRequest())
+        assert sorted(s.role for s in loads.schedulers) == ["decode", "prefill", "prefill"]
+        assert {d.role for d in loads.autoscale} == {"decode", "prefill"}
+        # Quiet: the extra prefill worker drains and retires; the decode worker serves on throughout.
+        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=60 + QUIET_DELAY_S)
+        daemon.wait_for(lambda: len(_states(daemon)) == 2, timeout=60)
+        assert _states(daemon)[decode] == "serving"
+        assert decode not in {e["worker"] for e in daemon.log_entries("worker_retired")}
+        assert daemon.metric("tokend:desired_replicas", model_name=TINY_RANDOM_MODEL_NAME, role="prefill") == 1

@@ -221,8 +221,11 @@ def test_standbys_hold_warm_capacity_for_the_peak_beside_the_serving_workers():
     assert standby_target(8.0, 2.0, active=4, now=1.0, policy=policy, state=state) == 1  # promoted: fewer wait
     assert standby_target(8.0, 2.0, active=6, now=2.0, policy=policy, state=state) == 1  # never under min_standby
     assert standby_target(0.0, 2.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1  # no peak
-    # A declared peak before any step time is measured: every worker the ceiling allows is held warm.
-    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 9
+    # A declared peak before any step time is measured: every worker the ceiling allows is held warm...
+    declared = AutoscalePolicy(max_workers=10, min_standby=1, peak_rps=8.0)
+    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=declared, state=AutoscaleState()) == 9
+    # ...a peak only seen waits for the capacity to size it.
+    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1
 
 
 def test_the_reserve_grows_at_once_and_shrinks_by_one_each_scale_down_delay():

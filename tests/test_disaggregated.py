@@ -73,6 +73,8 @@ def test_a_pull_that_fails_is_recomputed_or_fails_as_configured(on_failure, outc
             assert (
                 failed.value.code() == outcome and "could not be moved to the decode worker" in failed.value.details()
             )
+        # The worker's log line travels through the daemon to its log, maybe after the client heard the failure.
+        daemon.wait_for(lambda: daemon.log_entries("kv_pull_failed"), timeout=10)
         assert daemon.log_entries("kv_pull_failed")[0]["action"] == on_failure
         daemon.wait_for(lambda: daemon.metric("tokend:kv_transfer_failures_total") >= 1, timeout=5)
 

@@ -139,8 +139,8 @@ def test_a_daemon_on_two_gpus_pins_each_scheduler_to_its_own(tmp_path):
 
         def stream(seed: int) -> str:
             request = pb.GenerateRequest(
-                model="tiny", prompt=f"prompt {seed}", sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
-            )
+                model="tiny", prompt=f"prompt {seed}", sampling=pb.SamplingParams(max_tokens=64, ignore_eos=True)
+            )  # long enough that the eight streams overlap, however the machine schedules their starts
             return list(daemon.generation.Generate(request, timeout=60))[-1].finish_reason
 
         with ThreadPoolExecutor(8) as pool:

@@ -97,3 +97,18 @@ def test_a_burst_between_load_reports_spreads_over_both_groups(make_link):
         groups.append(group)
         link.schedulers[int(group)].requests.add(f"r{i}")
     assert groups.count("0") == 4 and groups.count("1") == 4
+
+
+def test_a_burst_spreads_even_when_one_idle_group_projects_no_wait_at_all(make_link):
+    """An idle group may report a projected TTFT of 0 s. A first token still takes a step, so the requests sent
+    to it since that report count against it too: a burst does not all land on it."""
+    link = make_link(2)
+    zero, other = link.schedulers
+    _report(zero, running=0, projected_ttft=0.0)
+    _report(other, running=0, projected_ttft=0.012)
+    groups = []
+    for i in range(8):
+        group = _admitted_group(link)
+        groups.append(group)
+        link.schedulers[int(group)].requests.add(f"r{i}")
+    assert "1" in groups[:4] and 3 <= groups.count("1") <= 5, groups

@@ -25,6 +25,8 @@ from gpu_runtime.kv_cache.transfer import PageExport, import_pages
 from gpu_runtime.kv_transfer.puller import KVPuller, PagesPulled, PullJob
 from gpu_runtime.kv_transfer.server import KVServer, LeasePulled
 
+_THREAD_STOP_S = 1.0  # a KV thread notices a stop within one poll (0.1 s); one mid-pull is left to die with us
+
 
 @dataclass(slots=True)
 class HandoverStats:
@@ -79,9 +81,13 @@ class Handover:
         self._server.start()
 
     def close(self) -> None:
-        for thread in (self._server, self._puller):
-            if thread is not None:
-                thread.stop()
+        """Stops the KV threads and waits for them: they close their own sockets, which must happen before the
+        worker destroys the ZeroMQ context (a socket closed under a thread's poll raises in that thread)."""
+        threads = [thread for thread in (self._server, self._puller) if thread is not None]
+        for thread in threads:
+            thread.stop()
+        for thread in threads:
+            thread.join(timeout=_THREAD_STOP_S)
 
     @property
     def has_pending(self) -> bool:

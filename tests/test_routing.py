@@ -59,6 +59,15 @@ def _admitted_group(link: SchedulerLink) -> str:
     return asyncio.run(admit())
 
 
+def _burst(link: SchedulerLink, count: int) -> list[str]:
+    """The groups `count` requests go to, one after another before any load report: each stays in flight."""
+    groups = []
+    for i in range(count):
+        groups.append(_admitted_group(link))
+        link.schedulers[int(groups[-1])].requests.add(f"r{i}")
+    return groups
+
+
 def test_a_request_goes_to_the_group_projecting_the_soonest_first_token_even_if_it_is_busier(make_link):
     link = make_link(3)
     slow, fast, idle_but_slower = link.schedulers
@@ -91,11 +100,7 @@ def test_a_burst_between_load_reports_spreads_over_both_groups(make_link):
     quicker, other = link.schedulers
     _report(quicker, running=0, projected_ttft=0.010)
     _report(other, running=0, projected_ttft=0.012)
-    groups = []
-    for i in range(8):
-        group = _admitted_group(link)
-        groups.append(group)
-        link.schedulers[int(group)].requests.add(f"r{i}")
+    groups = _burst(link, 8)
     assert groups.count("0") == 4 and groups.count("1") == 4
 
 
@@ -106,9 +111,5 @@ def test_a_burst_spreads_even_when_one_idle_group_projects_no_wait_at_all(make_l
     zero, other = link.schedulers
     _report(zero, running=0, projected_ttft=0.0)
     _report(other, running=0, projected_ttft=0.012)
-    groups = []
-    for i in range(8):
-        group = _admitted_group(link)
-        groups.append(group)
-        link.schedulers[int(group)].requests.add(f"r{i}")
+    groups = _burst(link, 8)
     assert "1" in groups[:4] and 3 <= groups.count("1") <= 5, groups

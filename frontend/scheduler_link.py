@@ -60,6 +60,9 @@ class SchedulerLost:
         self.reason = reason
 
 
+_MIN_STEP_S = 0.001  # a step's least cost in the routing key, for a worker with no step time reported yet
+
+
 @dataclass(eq=False)
 class SchedulerState:
     address: SchedulerAddress
@@ -113,11 +116,11 @@ class SchedulerState:
         """The sooner projected first token, then fewer requests. The projection is as old as the latest load
         report, so each request sent here since counts as one more prompt ahead of the next: otherwise a burst
         would all go to whichever worker looked fastest before it began. A first token takes at least one step,
-        so the projection counts one more (its mean step): an idle worker projecting 0 s would otherwise stay at
-        0 s however many requests went to it since."""
+        so the projection counts one more (its mean step, at least _MIN_STEP_S): an idle worker projecting 0 s, or
+        one that has sent no load report yet, would otherwise stay at 0 s however many requests went to it since."""
         outstanding = len(self.requests) + self.reserved
         reported = self.load.num_running + self.load.num_waiting if self.load is not None else 0
-        step_s = self.load.mean_step_ms / 1e3 if self.load is not None else 0.0
+        step_s = max(self.load.mean_step_ms / 1e3 if self.load is not None else 0.0, _MIN_STEP_S)
         return (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported)), outstanding
 
 

@@ -112,10 +112,14 @@ def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggre
     assert not mismatched, [(len(PROMPTS[i]), expected[i], got[i]) for i in mismatched[:3]]
     assert disaggregated.usage_report() == expected_usage
 
-    admitted = disaggregated.log_entries("request_admitted")
-    handed = [e for e in admitted if e.get("decode_worker")]
-    assert len(handed) == sum(len(p) >= MIN_PROMPT for p in PROMPTS)  # every long prompt, and only those
-    assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed)
+    def handed() -> list[dict]:
+        return [e for e in disaggregated.log_entries("request_admitted") if e.get("decode_worker")]
+
+    long_prompts = sum(len(p) >= MIN_PROMPT for p in PROMPTS)
+    # The frontend's log lines reach the daemon's log through a pipe, maybe after the client has its answer.
+    disaggregated.wait_for(lambda: len(handed()) >= long_prompts, timeout=10)
+    assert len(handed()) == long_prompts  # every long prompt, and only those
+    assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed())
     assert disaggregated.metric("tokend:kv_transfer_pages_total") > 0
     assert disaggregated.metric("tokend:kv_transfer_failures_total") == 0
     roles = _loads(disaggregated)

@@ -113,3 +113,14 @@ def test_a_burst_spreads_even_when_one_idle_group_projects_no_wait_at_all(make_l
     _report(other, running=0, projected_ttft=0.012)
     groups = _burst(link, 8)
     assert "1" in groups[:4] and 3 <= groups.count("1") <= 5, groups
+
+
+def test_a_group_that_has_not_reported_its_load_yet_does_not_take_a_whole_burst(make_link):
+    """A worker that just became ready has sent no load report: it projects nothing, and requests sent to it still
+    count against it."""
+    link = make_link(2)
+    unreported, other = link.schedulers
+    unreported.load = None
+    _report(other, running=0, projected_ttft=0.0)
+    groups = _burst(link, 8)
+    assert "1" in groups and "0" in groups, groups

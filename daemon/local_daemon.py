@@ -29,6 +29,16 @@ from tokend.v1 import tokend_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_NOTABLE_LINES = 60
+
+
+def _is_notable(line: str) -> bool:
+    """A warning or error record, or text that is not a record at all (a traceback, a library's own output)."""
+    if not line.startswith("{"):
+        return bool(line.strip())
+    return '"level": "info"' not in line and '"level": "debug"' not in line
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 
@@ -119,6 +129,8 @@ class LocalDaemon:
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is not None and self.log_path.exists():  # pytest shows a failed test's stderr
+            print(f"tokend serve's log ({exc[0].__name__} in its context):\n{self.failure_report()}", file=sys.stderr)
         if self.channel is not None:
             self.channel.close()
         if self.process is not None and self.process.poll() is None:
@@ -159,9 +171,9 @@ class LocalDaemon:
         deadline = time.monotonic() + timeout
         while self.health_status() != health_pb2.HealthCheckResponse.SERVING:
             if self.process.poll() is not None:
-                raise RuntimeError(f"tokend serve exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError(f"tokend serve exited with {self.process.returncode}:\n{self.failure_report()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tokend serve not serving after {timeout} s:\n{self.log()}")
+                raise TimeoutError(f"tokend serve not serving after {timeout} s:\n{self.failure_report()}")
             time.sleep(0.1)
 
     def generate(self, prompt: str = "Hello", timeout: float = 60.0, **sampling) -> list[pb.GenerateResponse]:
@@ -193,6 +205,13 @@ class LocalDaemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
+
+    def failure_report(self) -> str:
+        """For a failure's message: the log's warnings, errors and tracebacks, which a busy daemon's info lines
+        would push out of the tail, then the tail."""
+        text = self.log_path.read_text(errors="replace")
+        notable = [line for line in text.splitlines() if _is_notable(line)][-_NOTABLE_LINES:]
+        return "warnings and errors:\n" + "\n".join(notable) + "\nthe log's tail:\n" + text[-5000:]
 
     def log_entries(self, event: str | None = None, **fields) -> list[dict]:
         """The daemon's structured log records so far (with this event and these field values, if given).
@@ -234,7 +253,7 @@ class LocalDaemon:
         """The private directory of the daemon's ipc sockets (from its `starting` log line)."""
         for entry in self.log_entries("starting"):
             return Path(entry["runtime_dir"])
-        raise AssertionError(f"no starting line in the log:\n{self.log()}")
+        raise AssertionError(f"no starting line in the log:\n{self.failure_report()}")
 
     def wait_for(self, predicate, timeout: float, interval: float = 0.05):
         """Polls predicate() until it returns something truthy; returns it, or fails after timeout seconds."""
@@ -244,5 +263,5 @@ class LocalDaemon:
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"condition not met within {timeout} s:\n{self.log()}")
+                raise AssertionError(f"condition not met within {timeout} s:\n{self.failure_report()}")
             time.sleep(interval)

@@ -39,10 +39,10 @@ def handle_rollout(pool: WorkerPool, command: RolloutCommand) -> CommandResult:
     if rollout.phase in _IN_PROGRESS and new_weights:
         return _refused(command, "FAILED_PRECONDITION", f"model: a rollout of {command.model_name!r} to "
                         f"{rollout.path} is in progress ({rollout.phase}); wait for it, or roll it back")  # fmt: skip
-    if new_weights and strategy == RolloutStrategy.SURGE and not pool.spare_slots(command.model_name, strategy):
+    if new_weights and strategy == RolloutStrategy.SURGE and not pool.spare_slots(command.model_name, strategy, False):
         return _refused(command, "FAILED_PRECONDITION", "strategy: surge needs a free group to start new workers "
-                        "on (spare_devices); use in-place")  # fmt: skip
-    canary_error = _canary_error(pool, command, strategy, rollout.target_count)
+                        "on (spare_devices; beside prefill workers, one not for prefill); use in-place")  # fmt: skip
+    canary_error = _canary_error(pool, command, strategy, rollout.target_count - rollout.prefill_count)
     if canary_error:
         return _refused(command, "FAILED_PRECONDITION", canary_error)
     return CommandResult(
@@ -53,14 +53,15 @@ def handle_rollout(pool: WorkerPool, command: RolloutCommand) -> CommandResult:
 
 def _canary_error(pool: WorkerPool, command: RolloutCommand, strategy: RolloutStrategy, count: int) -> str:
     """Why a canary cannot hold here: it needs old workers left serving beside its new ones (in place: a model
-    on at least two groups), and a surge canary needs a free group for each of its new workers."""
+    on at least two groups), and a surge canary needs a free group for each of its new workers. `count` is the
+    routed pool's workers (beside prefill workers, those are what a canary's share is of)."""
     target = Target(0, strategy, count, command.canary_percent)
     if not target.is_canary:
         return ""
     if strategy == RolloutStrategy.IN_PLACE and target.count_wanted >= count:
         return (f"canary_percent: an in-place canary of {command.canary_percent}% would replace all {count} "
                 "group(s) of the model; use a smaller share, more groups, or a surge with spare_devices")  # fmt: skip
-    free = len(pool.spare_slots(command.model_name, strategy))
+    free = len(pool.spare_slots(command.model_name, strategy, False))
     if strategy == RolloutStrategy.SURGE and target.count_wanted > free:
         return (f"canary_percent: {command.canary_percent}% of {count} worker(s) is {target.count_wanted} new "
                 f"worker(s), but {free} group(s) are free for a surge (spare_devices)")  # fmt: skip
@@ -68,13 +69,13 @@ def _canary_error(pool: WorkerPool, command: RolloutCommand, strategy: RolloutSt
 
 
 def _strategy(pool: WorkerPool, command: RolloutCommand) -> RolloutStrategy:
-    """As asked; unset: surge where a free group allows it, else in-place."""
+    """As asked; unset: surge where a free group of the routed pool allows it, else in-place."""
     if command.strategy:
         try:
             return RolloutStrategy(command.strategy)
         except ValueError:
             raise ValueError(f"strategy: must be surge|in-place, got {command.strategy!r}") from None
-    if pool.spare_slots(command.model_name, RolloutStrategy.SURGE):
+    if pool.spare_slots(command.model_name, RolloutStrategy.SURGE, False):
         return RolloutStrategy.SURGE
     return RolloutStrategy.IN_PLACE
 

@@ -1,7 +1,8 @@
 """The daemon's worker set: every scheduler process, its slot, weights, epoch and state, and each model's rollout.
 
 One writer changes what the set should be (a rollout command, a rollback, a failed rollout going back); `tick`
-moves the actual processes towards it, one action per model at a time (daemon.rollout_plan decides which), and
+moves the actual processes towards it, one action per pool of a model at a time (daemon.rollout_plan decides which;
+with prefill workers, they and the routed workers are two pools, each on the groups of its role), and
 notices what the processes did: warmed up (serving), exited after draining (retired), crashed (restarted with
 backoff, as before rollouts existed: crash restart is the plan's "keep target_count workers" too).
 """
@@ -21,6 +22,7 @@ from daemon.children import Child
 from daemon.config import ModelSpec, ServeConfig
 from daemon.rollout_plan import (
     DemoteWorkers,
+    Done,
     DrainWorkers,
     PlannedWorker,
     PromoteWorkers,
@@ -28,7 +30,6 @@ from daemon.rollout_plan import (
     StopWorkers,
     Stuck,
     Target,
-    Wait,
     next_action,
 )
 from daemon.scaling_plan import next_scaling_action
@@ -93,8 +94,17 @@ class Rollout:
     error: str = ""
     events: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_EVENTS_KEPT))
 
-    def target(self) -> Target:
-        return Target(self.epoch, self.strategy, self.target_count, self.canary_percent)
+    def target(self, count: int | None = None, strategy: RolloutStrategy | None = None) -> Target:
+        """Where the rollout goes: the model's workers, or `count` of one pool's (with its own strategy)."""
+        count = self.target_count if count is None else count
+        return Target(self.epoch, strategy or self.strategy, count, self.canary_percent)
+
+    def pools(self) -> list[tuple[bool, int, int]]:
+        """(prefill, serving, standby) of each pool: the routed workers, and the prefill ones if there are any."""
+        pools = [(False, self.target_count - self.prefill_count, self.standby_count)]
+        if self.prefill_count:
+            pools.append((True, self.prefill_count, self.prefill_standby))
+        return pools
 
     def status(self) -> RolloutStatus:
         previous = self.history[-1][1] if self.history else ""
@@ -129,11 +139,16 @@ class WorkerPool:
     def statuses(self) -> list[RolloutStatus]:
         return [rollout.status() for rollout in self.rollouts.values()]
 
-    def spare_slots(self, model_name: str, strategy: RolloutStrategy) -> list[int]:
-        """Free slots a new worker of the model may take: its own groups, and for surge the unused spares."""
+    def spare_slots(self, model_name: str, strategy: RolloutStrategy, prefill: bool | None = None) -> list[int]:
+        """Free slots a new worker of the model may take: its own groups, and for surge the unused spares; with
+        `prefill`, only those of the prefill pool's role (True) or of the routed pool's (False)."""
         held = {worker.slot.index for worker in self.workers}
         allowed = (model_name, None) if strategy == RolloutStrategy.SURGE else (model_name,)
-        return [s.index for s in self.slots if s.index not in held and s.owner in allowed and not s.failed]
+        return [
+            s.index for s in self.slots
+            if s.index not in held and s.owner in allowed and not s.failed
+            and (prefill is None or (s.role == "prefill") == prefill)
+        ]  # fmt: skip
 
     def _changed(self, event: str | None = None, model_name: str | None = None, **fields) -> None:
         self.version += 1
@@ -248,23 +263,25 @@ class WorkerPool:
             worker.child.process.kill()
 
     def _advance(self, rollout: Rollout) -> None:
+        """One action for each pool of the model (its routed workers, and its prefill ones), each on the free groups
+        of its role, so that a rollout leaves the pools as it found them; settled once both are."""
         mine = [w for w in self.workers if w.model_name == rollout.model.name]
-        planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index) for w in mine]
-        action = next_action(rollout.target(), planned, self.spare_slots(rollout.model.name, rollout.strategy))
-        if isinstance(action, StartWorker):
-            worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
-            self._start(worker)
-            self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
-                          path=rollout.path, devices=worker.slot.devices)  # fmt: skip
-        elif isinstance(action, DrainWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
-                self._drain(worker)
-        elif isinstance(action, StopWorkers):
-            for worker in [w for w in mine if w.spec.worker_id in action.worker_ids]:
-                self._stop_unready(worker)
-        elif isinstance(action, Stuck):
-            self._fail_rollout(rollout, action.reason)
-        elif not isinstance(action, Wait):  # Done: the workers match the target
+        actions = []
+        for prefill, count, _standby in rollout.pools():
+            members = [w for w in mine if (w.slot.role == "prefill") == prefill]
+            planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index) for w in members]
+            free = self.spare_slots(rollout.model.name, rollout.strategy, prefill)
+            # Without a spare prefill group, the prefill pool goes one group at a time: while one is down its
+            # prompts are computed by the routed workers, so nobody waits.
+            strategy = RolloutStrategy.IN_PLACE if prefill and not free else rollout.strategy
+            actions.append((members, next_action(rollout.target(count, strategy), planned, free)))
+        for _members, action in actions:
+            if isinstance(action, Stuck):
+                self._fail_rollout(rollout, action.reason)
+                return
+        for members, action in actions:
+            self._act(rollout, members, action)
+        if all(isinstance(action, Done) for _, action in actions):
             settled = {"rolling": "canary" if rollout.target().is_canary else "done", "rolling-back": "failed"}
             if rollout.phase in settled:
                 rollout.phase = settled[rollout.phase]
@@ -274,24 +291,22 @@ class WorkerPool:
         """Between rollouts: the serving and standby counts the autoscaler (and min_standby) ask for, for each pool
         of the model apart (its prefill workers, and the routed ones), each on the free groups of its role."""
         mine = [w for w in self.workers if w.model_name == rollout.model.name and w.epoch == rollout.epoch]
-        spare = self.spare_slots(rollout.model.name, RolloutStrategy.SURGE)
-        pools = [(False, rollout.target_count - rollout.prefill_count, rollout.standby_count)]
-        if rollout.prefill_count:
-            pools.append((True, rollout.prefill_count, rollout.prefill_standby))
-        for prefill, serving, standby in pools:
+        for prefill, serving, standby in rollout.pools():
             members = [w for w in mine if (w.slot.role == "prefill") == prefill]
             planned = [PlannedWorker(w.spec.worker_id, w.epoch, w.state, w.slot.index, w.standby_when_warm)
                        for w in members]  # fmt: skip
-            free = [i for i in spare if (self.slots[i].role == "prefill") == prefill]
+            free = self.spare_slots(rollout.model.name, RolloutStrategy.SURGE, prefill)
             self._act(rollout, members, next_scaling_action(serving, standby, planned, free))
 
     def _act(self, rollout: Rollout, members: list[Worker], action) -> None:
+        """Carries out one pool's action (a rollout's or the scaling plan's); Wait and Done do nothing."""
         if isinstance(action, StartWorker):
             worker = self._add_worker(rollout.model, self.slots[action.slot], rollout.epoch, rollout.path)
             worker.standby_when_warm = action.standby
             self._start(worker)
             self._changed("worker_starting", rollout.model.name, worker=worker.spec.worker_id, epoch=rollout.epoch,
-                          standby=action.standby, devices=worker.slot.devices)  # fmt: skip
+                          path=rollout.path, standby=action.standby, role=worker.slot.role,
+                          devices=worker.slot.devices)  # fmt: skip
         elif isinstance(action, PromoteWorkers):
             for worker in [w for w in members if w.spec.worker_id in action.worker_ids]:
                 worker.standby_when_warm = False  # one still loading serves once warm; a restart serves too

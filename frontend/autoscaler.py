@@ -17,6 +17,7 @@ from common.autoscale_policy import (
     AutoscaleState,
     Decision,
     LoadSnapshot,
+    StepTimeModel,
     WorkerSnapshot,
     decide,
     forecast_floor,
@@ -31,6 +32,7 @@ from frontend.control_messages import WorkerState
 from frontend.metrics import FrontendMetrics
 from frontend.scheduler_link import SchedulerLink, SchedulerState
 from frontend.spec import FrontendSpec
+from gpu_runtime.ipc.messages import SchedulerReady
 
 TICK_S = 1.0
 _DEFAULT_WARMUP_S = 30.0  # the forecast's horizon until a worker's warm-up has been measured
@@ -121,9 +123,11 @@ class Autoscaler:
         if prefill:
             decision, peak, standby = decide(snapshot, self._policy, state), 0.0, self._policy.min_standby
         else:
-            decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now))
+            arrivals = self.inputs.arrivals(model)  # sorted once a tick, for the forecast and the capacity
+            decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now, arrivals))
             peak = peak_rate(self.inputs.window_counts(model), now, self._policy)
-            standby = standby_target(peak, self._capacity_rps(model), decision.desired, now, self._policy, state)
+            capacity = self._capacity_rps(model, arrivals)
+            standby = standby_target(peak, capacity, decision.desired, now, self._policy, state)
         self.latest[(model, role)] = Verdict(decision, snapshot, standby, peak)
         self._metrics.desired_replicas.labels(model, role).set(decision.desired)
         self._metrics.desired_standby.labels(model, role).set(standby)
@@ -138,30 +142,35 @@ class Autoscaler:
         self._sent[(model, role)] = (decision.desired, standby)
         await self._control.scale(model, decision.desired, standby, decision.reason, role)
 
-    def _capacity_rps(self, model: str) -> float:
+    def _capacity_rps(self, model: str, arrivals: list[tuple[float, int, int]]) -> float:
         """One worker's requests/s within the TTFT target for the recent request sizes, by the fitted step-time
         model; 0 until there is one (standby_target then holds min_standby, or all it may for a declared peak)."""
-        step_model = self.inputs.step_model(model)
-        ready = [s.ready for s in self._link.ready_schedulers(model)]
-        arrivals = self.inputs.arrivals(model)
-        if step_model is None or not ready or not arrivals:
+        sizing = self._sizing(model)
+        if sizing is None or not arrivals:
             return 0.0
+        step_model, ready, budget = sizing
         prompt = sum(a[1] for a in arrivals) / len(arrivals)
         output = sum(a[2] for a in arrivals) / len(arrivals)
-        budget = ready[0].max_num_batched_tokens or ready[0].max_num_seqs
         return worker_capacity(step_model, prompt, output, self._policy.ttft_fraction * self._ttft_target_s,
-                               ready[0].max_num_seqs, budget).requests_per_s  # fmt: skip
+                               ready.max_num_seqs, budget).requests_per_s  # fmt: skip
 
-    def _forecast_floor(self, model: str, now: float) -> int:
+    def _forecast_floor(self, model: str, now: float, arrivals: list[tuple[float, int, int]]) -> int:
         """The slow loop: the workers the forecast arrivals need by the time a worker started now would serve (the
         model's measured warm-up), by the fitted step-time model; 0 until there is a model to fit."""
+        sizing = self._sizing(model)
+        if sizing is None:
+            return 0
+        step_model, ready, budget = sizing
+        warmups = [s.warmup_seconds for s in self._link.schedulers if s.address.model_name == model]
+        horizon_s = max(warmups, default=0.0) or _DEFAULT_WARMUP_S
+        return forecast_floor(arrivals, now, horizon_s, step_model, self._policy, ttft_target_s=self._ttft_target_s,
+                              max_num_seqs=ready.max_num_seqs, max_num_batched_tokens=budget)  # fmt: skip
+
+    def _sizing(self, model: str) -> tuple[StepTimeModel, SchedulerReady, int] | None:
+        """What sizing a worker's capacity needs: the fitted step-time model, a ready worker's limits and its token
+        budget per step; None until a model is fitted and a worker is ready."""
         step_model = self.inputs.step_model(model)
         ready = [s.ready for s in self._link.ready_schedulers(model)]
         if step_model is None or not ready:
-            return 0
-        warmups = [s.warmup_seconds for s in self._link.schedulers if s.address.model_name == model]
-        horizon_s = max(warmups, default=0.0) or _DEFAULT_WARMUP_S
-        budget = ready[0].max_num_batched_tokens or ready[0].max_num_seqs
-        return forecast_floor(self.inputs.arrivals(model), now, horizon_s, step_model, self._policy,
-                              ttft_target_s=self._ttft_target_s, max_num_seqs=ready[0].max_num_seqs,
-                              max_num_batched_tokens=budget)  # fmt: skip
+            return None
+        return step_model, ready[0], ready[0].max_num_batched_tokens or ready[0].max_num_seqs

@@ -131,7 +131,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             admission_began = time.monotonic()
             scheduler = await self._admission.admit(model_name, tenant, priority, cost)
             message = AddRequest(record_id, prepared.prompt_token_ids, prepared.sampling, priority, cache_salt(tenant))
-            prefill = self._prefill_worker(model_name, message)
+            prefill = self._prefill_worker(model_name, message, scheduler.generation)
             if prefill is None:
                 stream = self._link.submit(scheduler, message, key[0] or None, cost)
             else:  # its prompt first, on a prefill worker; its first token ends that part and brings the handover
@@ -165,11 +165,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         record.generation = scheduler.generation
         return stream, ChunkBuilder(request_id, model_name, tokenizer, prepared.stop), record
 
-    def _prefill_worker(self, model_name: str, message: AddRequest):
-        """The prefill worker a request's prompt goes to first, or None: the model has no prefill pool, or the
-        prompt is short (a handover would cost more than computing it beside the decodes), or the request wants a
-        single token (the prefill worker's answer is the whole request), or its sampling depends on every token
-        it generated (a seed's draws, penalties on output tokens), which a handover would restart."""
+    def _prefill_worker(self, model_name: str, message: AddRequest, generation: str):
+        """The prefill worker a request's prompt goes to first, or None: the model has no prefill pool on the weights
+        (`generation`) of the decode worker admission chose (a rollout's or a canary's: pages of other weights are
+        worthless there), or the prompt is short (a handover would cost more than computing it beside the decodes),
+        or the request wants a single token (the prefill worker's answer is the whole request), or its sampling
+        depends on every token it generated (a seed's draws, penalties on output tokens), which a handover would
+        restart."""
         sampling = message.sampling
         if (
             len(message.prompt_token_ids) < self._disagg_min_prompt_tokens
@@ -179,7 +181,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             or sampling.frequency_penalty
         ):
             return None
-        workers = self._link.routed_schedulers(model_name, 0.0, prefill=True)
+        workers = [s for s in self._link.ready_schedulers(model_name, prefill=True) if s.generation == generation]
         return min(workers, key=lambda s: s.routing_key, default=None)
 
     async def _prompt_token_ids(self, request: pb.GenerateRequest, model, tokenizer) -> list[int]:

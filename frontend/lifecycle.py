@@ -2,8 +2,8 @@
 
 Health has one service per served model (its name), SERVING while some scheduler of the model takes new requests
 or a rollout is between workers (requests wait for the new one), and the whole server's ("" and
-tokend.v1.Generation), SERVING while every scheduler is live (but those a rollout is starting or retiring) and
-every model is; all NOT_SERVING once draining.
+tokend.v1.Generation), SERVING while every scheduler takes new requests (but those a rollout is starting or
+retiring, and standbys) and every model is; all NOT_SERVING once draining.
 "liveness" is SERVING for as long as the frontend answers at all: a liveness probe (Kubernetes) must not restart a
 daemon that is only reloading a crashed scheduler or draining, which the daemon handles itself. So are the services
 that answer whatever the schedulers do, draining included: tokend.v1.Admin (Drain and GetLoad are what an operator
@@ -50,11 +50,13 @@ class Lifecycle:
 
     @property
     def is_serving(self) -> bool:
-        """Every worker that should be serving is live, and every model can take requests."""
+        """Every worker that should be serving takes new requests, and every model can take requests. Live is not
+        enough: a worker answers ready a moment before the daemon counts it serving, and a request in that moment
+        passes it over (a prefill worker's prompt would be computed on the decode worker)."""
         if self.draining:
             return False
         models = dict.fromkeys(s.address.model_name for s in self._link.schedulers)
-        return all(s.is_live for s in self._link.schedulers if self._counts(s)) and all(
+        return all(s.takes_new_requests for s in self._link.schedulers if self._counts(s)) and all(
             self.model_is_serving(model) for model in models
         )
 

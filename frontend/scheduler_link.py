@@ -191,10 +191,10 @@ class SchedulerLink:
             if s.address.model_name == model_name and s.takes_new_requests and (s.role == "prefill") == prefill
         ]  # fmt: skip
 
-    def routed_schedulers(self, model_name: str, draw: float, prefill: bool = False) -> list[SchedulerState]:
+    def routed_schedulers(self, model_name: str, draw: float) -> list[SchedulerState]:
         """The ready schedulers a new request may go to: the newest serving weights, or a canary's share (`draw`
         in [0, 1) is the request's own)."""
-        return self.worker_set.route(model_name, self.ready_schedulers(model_name, prefill), draw)
+        return self.worker_set.route(model_name, self.ready_schedulers(model_name), draw)
 
     def expects_capacity(self, model_name: str) -> bool:
         """True while a rollout of the model is under way: a moment with no serving worker is planned, not lost."""

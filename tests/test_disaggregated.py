@@ -16,6 +16,7 @@ import msgspec
 import openai
 import pytest
 import zmq
+from checkpoints import LLAMA_GQA, write_checkpoint
 from daemon_harness import Daemon
 
 from gpu_runtime.kv_transfer.nixl_transport import nixl_available
@@ -112,14 +113,12 @@ def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggre
     assert not mismatched, [(len(PROMPTS[i]), expected[i], got[i]) for i in mismatched[:3]]
     assert disaggregated.usage_report() == expected_usage
 
-    def handed() -> list[dict]:
-        return [e for e in disaggregated.log_entries("request_admitted") if e.get("decode_worker")]
-
-    long_prompts = sum(len(p) >= MIN_PROMPT for p in PROMPTS)
-    # The frontend's log lines reach the daemon's log through a pipe, maybe after the client has its answer.
-    disaggregated.wait_for(lambda: len(handed()) >= long_prompts, timeout=10)
-    assert len(handed()) == long_prompts  # every long prompt, and only those
-    assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed())
+    admitted = disaggregated.log_entries("request_admitted")  # logged before the request was sent anywhere
+    handed = [e for e in admitted if e["decode_worker"]]
+    not_handed = [e for e in admitted if not e["decode_worker"] and e["prompt_tokens"] >= MIN_PROMPT]
+    assert not not_handed, (not_handed[:3], disaggregated.failure_report())
+    assert len(handed) == sum(len(p) >= MIN_PROMPT for p in PROMPTS)  # every long prompt, and only those
+    assert all(e["worker"].endswith("/0") and e["decode_worker"].endswith("/1") for e in handed)
     assert disaggregated.metric("tokend:kv_transfer_pages_total") > 0
     assert disaggregated.metric("tokend:kv_transfer_failures_total") == 0
     roles = _loads(disaggregated)
@@ -269,3 +268,53 @@ def test_a_killed_prefill_worker_ends_its_streams_unavailable_and_is_replaced():
         tokens, _, reason, _ = _generate(daemon, _request(_prompts(1, 17, 300)[0], 4))
         assert reason == "length" and len(tokens) == 4
         assert daemon.log_entries("request_admitted")[-1]["decode_worker"].endswith("/1")  # it went the P/D way
+
+
+@pytest.mark.parametrize("spares", ["cpu=prefill,cpu=decode", "cpu=decode"])
+def test_a_rollout_keeps_both_pools_and_a_decode_worker_serving_throughout(tmp_path, spares):
+    """A surge rollout of a P/D daemon: each pool's new worker starts on a spare group of its own role (without a
+    spare prefill group, the prefill pool goes in place: its prompts are computed by the decode worker meanwhile),
+    some decode worker serves at every moment, and afterwards the new prefill worker hands prompts to the new decode
+    worker. Starting the routed pool's worker on a prefill group would leave no decode worker once the old drain."""
+    checkpoints = {name: write_checkpoint(tmp_path / name, LLAMA_GQA, seed=seed) for name, seed in (("A", 1), ("B", 2))}
+    flags = ("--model", str(checkpoints["A"]), "--served-model-name", "m", *PD_FLAGS, "--spare-devices", spares)
+    with Daemon(*flags) as daemon:
+        reply = daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(checkpoints["B"]), strategy="surge"))
+        assert reply.rollout.epoch == 1
+        deadline = time.monotonic() + 300
+        while (status := daemon.admin.GetRollout(pb.GetRolloutRequest(model="m")).rollouts[0]).phase == "rolling":
+            assert time.monotonic() < deadline, status
+            workers = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
+            serving = [
+                (w.worker_id, w.epoch) for w in workers if w.role == "decode" and w.state == "serving" and w.ready
+            ]
+            assert serving, [(w.worker_id, w.role, w.state, w.ready) for w in workers]
+            time.sleep(0.05)
+        assert status.phase == "done", status
+
+        def pools() -> dict[str, list[pb.SchedulerLoad]] | None:
+            workers = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
+            if any(w.epoch != 1 or not w.ready for w in workers):
+                return None  # an old worker still draining, or a new one not ready
+            return {role: [w for w in workers if w.role == role] for role in ("prefill", "decode")}
+
+        roles = daemon.wait_for(pools, timeout=60)
+        assert [len(roles["prefill"]), len(roles["decode"])] == [1, 1]
+        tokens, _, reason, _ = _generate(daemon, _request(_prompts(1, 18, 300)[0], 4))
+        assert reason == "length" and len(tokens) == 4
+        last = daemon.log_entries("request_admitted")[-1]
+        assert (last["worker"], last["decode_worker"]) == (roles["prefill"][0].worker_id, roles["decode"][0].worker_id)
+
+
+def test_a_surge_needs_a_spare_group_for_the_decode_pool(tmp_path):
+    """A spare prefill group alone cannot take the routed pool's new worker: a surge is refused (naming the field),
+    and a rollout that names no strategy goes in place."""
+    checkpoints = {name: write_checkpoint(tmp_path / name, LLAMA_GQA, seed=seed) for name, seed in (("A", 1), ("B", 2))}
+    flags = ("--model", str(checkpoints["A"]), "--served-model-name", "m", *PD_FLAGS, "--spare-devices", "cpu=prefill")
+    with Daemon(*flags) as daemon:
+        with pytest.raises(grpc.RpcError) as refused:
+            daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(checkpoints["B"]), strategy="surge"))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details().startswith("strategy: surge needs a free group")
+        reply = daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(checkpoints["B"])))
+        assert (reply.rollout.phase, reply.rollout.strategy) == ("rolling", "in-place")

@@ -6,15 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from link_fixtures import MODEL, ready_link, report_load
 
 from frontend.admission import AdmissionController
 from frontend.metrics import FrontendMetrics
 from frontend.scheduler_link import SchedulerLink
-from frontend.spec import AdmissionSpec, FrontendSpec, SchedulerAddress
+from frontend.spec import AdmissionSpec
 from gpu_runtime.ipc.enums import Priority
-from gpu_runtime.ipc.messages import LoadReport, SchedulerReady
-
-MODEL = "llama"
 
 
 @pytest.fixture
@@ -22,29 +20,12 @@ def make_link():
     links = []
 
     def make(groups: int) -> SchedulerLink:
-        links.append(_link(groups))
+        links.append(ready_link(groups))
         return links[-1]
 
     yield make
     for link in links:
         link.close()  # its zmq context, which would otherwise block the interpreter's exit
-
-
-def _link(groups: int) -> SchedulerLink:
-    addresses = [SchedulerAddress(f"{MODEL}/{g}", MODEL, str(g), f"ipc:///nonexistent/{g}") for g in range(groups)]
-    spec = FrontendSpec(grpc_port=0, metrics_port=None, output_address="ipc:///nonexistent/out",
-                        schedulers=addresses, default_model=MODEL, secret_path="/nonexistent/secret")  # fmt: skip
-    link = SchedulerLink(spec, log=None, on_change=lambda: None)
-    for state in link.schedulers:
-        state.ready = SchedulerReady(state.address.worker_id, "1", 1, MODEL, "/m", state.address.group,
-                                     2048, 256, 1000, 16, max_num_seqs=8, proof=b"")  # fmt: skip
-        _report(state, running=0, projected_ttft=0.0)
-    return link
-
-
-def _report(state, running: int, projected_ttft: float) -> None:
-    state.load = LoadReport(state.address.worker_id, "1", running, 0, 0, 0.1, 1000, 100, 0, 0, 0,
-                            projected_ttft_seconds=projected_ttft, mean_step_ms=10.0, sent_at=0.0)  # fmt: skip
 
 
 def _admitted_group(link: SchedulerLink) -> str:
@@ -71,9 +52,9 @@ def _burst(link: SchedulerLink, count: int) -> list[str]:
 def test_a_request_goes_to_the_group_projecting_the_soonest_first_token_even_if_it_is_busier(make_link):
     link = make_link(3)
     slow, fast, idle_but_slower = link.schedulers
-    _report(slow, running=1, projected_ttft=2.5)
-    _report(fast, running=6, projected_ttft=0.2)  # more requests, but its queue moves faster
-    _report(idle_but_slower, running=0, projected_ttft=0.4)
+    report_load(slow, running=1, projected_ttft=2.5)
+    report_load(fast, running=6, projected_ttft=0.2)  # more requests, but its queue moves faster
+    report_load(idle_but_slower, running=0, projected_ttft=0.4)
     fast.requests.update(f"r{i}" for i in range(6))
     assert _admitted_group(link) == "1"
 
@@ -89,7 +70,7 @@ def test_a_full_group_is_passed_over_whatever_it_projects(make_link):
     link = make_link(2)
     full, other = link.schedulers
     full.requests.update(f"r{i}" for i in range(8))  # max_num_seqs requests in flight: no slot here
-    _report(other, running=3, projected_ttft=1.5)
+    report_load(other, running=3, projected_ttft=1.5)
     assert _admitted_group(link) == "1"
 
 
@@ -98,8 +79,8 @@ def test_a_burst_between_load_reports_spreads_over_both_groups(make_link):
     it, so eight requests arriving before the next report do not all land there."""
     link = make_link(2)
     quicker, other = link.schedulers
-    _report(quicker, running=0, projected_ttft=0.010)
-    _report(other, running=0, projected_ttft=0.012)
+    report_load(quicker, running=0, projected_ttft=0.010)
+    report_load(other, running=0, projected_ttft=0.012)
     groups = _burst(link, 8)
     assert groups.count("0") == 4 and groups.count("1") == 4
 
@@ -109,8 +90,8 @@ def test_a_burst_spreads_even_when_one_idle_group_projects_no_wait_at_all(make_l
     to it since that report count against it too: a burst does not all land on it."""
     link = make_link(2)
     zero, other = link.schedulers
-    _report(zero, running=0, projected_ttft=0.0)
-    _report(other, running=0, projected_ttft=0.012)
+    report_load(zero, running=0, projected_ttft=0.0)
+    report_load(other, running=0, projected_ttft=0.012)
     groups = _burst(link, 8)
     assert "1" in groups[:4] and 3 <= groups.count("1") <= 5, groups
 
@@ -121,6 +102,6 @@ def test_a_group_that_has_not_reported_its_load_yet_does_not_take_a_whole_burst(
     link = make_link(2)
     unreported, other = link.schedulers
     unreported.load = None
-    _report(other, running=0, projected_ttft=0.0)
+    report_load(other, running=0, projected_ttft=0.0)
     groups = _burst(link, 8)
     assert "1" in groups and "0" in groups, groups

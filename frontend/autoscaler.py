@@ -62,6 +62,7 @@ class Autoscaler:
             peak_memory_s=settings.autoscale_peak_memory,
         )
         self._ttft_target_s = spec.admission.interactive_ttft_target
+        self._min_prefill_prompt = spec.disagg_min_prompt_tokens
         self._link = link
         self._admission = admission
         self._control = control
@@ -70,6 +71,7 @@ class Autoscaler:
         self._states: dict[tuple[str, str], AutoscaleState] = {}  # (model, pool role) -> what its loop remembers
         self._sent: dict[tuple[str, str], tuple[int, int]] = {}  # (model, pool role) -> the counts last asked
         self._warmups_seen: set[str] = set()  # workers whose warm-up time is in the histogram
+        self._came_up: set[str] = set()  # models that have had a serving worker since the frontend started
         self.latest: dict[tuple[str, str], Verdict] = {}  # (model, pool role) -> its latest decision (GetLoad)
         policy = self._policy
         self.inputs = AutoscaleInputs(policy.forecast_history_s, policy.forecast_window_s, policy.peak_memory_s)
@@ -91,6 +93,13 @@ class Autoscaler:
                 self._metrics.worker_warmup_seconds.labels(model).observe(state.warmup_seconds)
         if self._link.expects_capacity(model):
             return  # a rollout is replacing the workers: it decides alone until it is done
+        if model not in self._came_up:
+            if not self._link.ready_schedulers(model):
+                # Starting: its configured workers are still loading. A standby that warms first is not promoted
+                # in their place (which would only swap roles and cold-start another standby); once the model has
+                # served, no serving worker means a crash, and a warm standby is promoted at once.
+                return
+            self._came_up.add(model)
         now = time.monotonic()
         has_prefill = any(s.last_role == "prefill" for s in workers)
         await self._tick_pool(model, "decode" if has_prefill else "mixed", workers, now)
@@ -100,7 +109,7 @@ class Autoscaler:
     async def _tick_pool(self, model: str, role: str, workers: list[SchedulerState], now: float) -> None:
         """One pool's decision: the routed workers ("mixed", or "decode" beside a prefill pool) on the frontend's
         queue, the forecast and the peak; the prefill workers on their own projected TTFT (requests reach them
-        with no queue of their own), with min_standby standbys."""
+        with no queue of their own), and on the forecast and the peak of the long prompts, which are theirs."""
         prefill = role == "prefill"
         members = [s for s in workers if (s.last_role == "prefill") == prefill]
         depth, oldest_wait_s = (0, 0.0) if prefill else self._admission.queue_of(model)
@@ -120,14 +129,11 @@ class Autoscaler:
             num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in members),
         )
         state = self._states.setdefault((model, role), AutoscaleState())
-        if prefill:
-            decision, peak, standby = decide(snapshot, self._policy, state), 0.0, self._policy.min_standby
-        else:
-            arrivals = self.inputs.arrivals(model)  # sorted once a tick, for the forecast and the capacity
-            decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now, arrivals))
-            peak = peak_rate(self.inputs.window_counts(model), now, self._policy)
-            capacity = self._capacity_rps(model, arrivals)
-            standby = standby_target(peak, capacity, decision.desired, now, self._policy, state)
+        arrivals, share = self._pool_arrivals(model, prefill)
+        decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now, arrivals))
+        peak = peak_rate(self.inputs.window_counts(model), now, self._policy) * share
+        capacity = self._capacity_rps(model, arrivals)
+        standby = standby_target(peak, capacity, decision.desired, now, self._policy, state)
         self.latest[(model, role)] = Verdict(decision, snapshot, standby, peak)
         self._metrics.desired_replicas.labels(model, role).set(decision.desired)
         self._metrics.desired_standby.labels(model, role).set(standby)
@@ -141,6 +147,17 @@ class Autoscaler:
                        effective_ttft_s=round(snapshot.effective_ttft_s, 3))  # fmt: skip
         self._sent[(model, role)] = (decision.desired, standby)
         await self._control.scale(model, decision.desired, standby, decision.reason, role)
+
+    def _pool_arrivals(self, model: str, prefill: bool) -> tuple[list[tuple[float, int, int]], float]:
+        """The recent arrivals a pool serves, sorted once a tick for the forecast and the capacity, and their share
+        of all arrivals (the share of the peak that is the pool's). A prefill worker computes the prompts of
+        disagg_min_prompt_tokens or more and one token of each; the routed pool sees every request."""
+        arrivals = self.inputs.arrivals(model)
+        if not prefill:
+            return arrivals, 1.0
+        long = [(arrived, prompt, 1) for arrived, prompt, _ in arrivals if prompt >= self._min_prefill_prompt]
+        # Before any arrival, every request is taken as a long one: a declared peak then holds prefill workers too.
+        return long, len(long) / len(arrivals) if arrivals else 1.0
 
     def _capacity_rps(self, model: str, arrivals: list[tuple[float, int, int]]) -> float:
         """One worker's requests/s within the TTFT target for the recent request sizes, by the fitted step-time

@@ -63,7 +63,7 @@ def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
         (decision,) = daemon.admin.GetLoad(pb.GetLoadRequest()).autoscale  # the decision and why, over gRPC too
         assert decision.desired_replicas == 2 and decision.reason in ("queue", "ttft", "ceiling")  # the next tick holds
         promoted = daemon.log_entries("worker_promoted")
-        assert [e["worker"] for e in promoted] == [standby]
+        assert [e["worker"] for e in promoted] == [standby]  # none at start: the configured worker serves first
         # A new standby is started behind it.
         daemon.wait_for(lambda: list(_states(daemon).values()).count("standby") == 1, timeout=120)
         for thread in threads:
@@ -119,9 +119,10 @@ def test_prefill_and_decode_pools_scale_apart_each_on_the_spare_groups_of_its_ro
     flags = ["--model", TINY_RANDOM_MODEL_NAME, "--device", "cpu=prefill,cpu=decode", "--spare-devices", "cpu=prefill",
              "--disagg-min-prompt-tokens", "16", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
              "--autoscale-max-workers", "2", "--interactive-ttft-target", "10", "--autoscale-ttft-fraction", "0.1",
-             "--autoscale-scale-down-delay", str(QUIET_DELAY_S)]  # fmt: skip
+             "--autoscale-scale-down-delay", str(QUIET_DELAY_S), "--autoscale-peak-memory", "0"]  # fmt: skip
     # 64-token steps make a 1,400-token prompt's prefill take 22 of them: a dozen streams back up the prefill
-    # worker past 1 s (10 % of the target), while the admission's 8.5 s (85 %) sheds nothing.
+    # worker past 1 s (10 % of the target), while the admission's 8.5 s (85 %) sheds nothing. A peak remembered
+    # for 0 s lasts only its own 30 s window: then no warm reserve holds the extra worker back from draining.
     with Daemon(*flags) as daemon:
         daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "serving"], timeout=120)
         roles = {s.worker_id: s.role for s in daemon.admin.GetLoad(pb.GetLoadRequest()).schedulers}
@@ -156,8 +157,25 @@ def test_prefill_and_decode_pools_scale_apart_each_on_the_spare_groups_of_its_ro
         assert sorted(s.role for s in loads.schedulers) == ["decode", "prefill", "prefill"]
         assert {d.role for d in loads.autoscale} == {"decode", "prefill"}
         # Quiet: the extra prefill worker drains and retires; the decode worker serves on throughout.
-        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=60 + QUIET_DELAY_S)
+        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=90 + QUIET_DELAY_S)
         daemon.wait_for(lambda: len(_states(daemon)) == 2, timeout=60)
         assert _states(daemon)[decode] == "serving"
         assert decode not in {e["worker"] for e in daemon.log_entries("worker_retired")}
         assert daemon.metric("tokend:desired_replicas", model_name=TINY_RANDOM_MODEL_NAME, role="prefill") == 1
+
+
+def test_a_declared_peak_holds_a_warm_prefill_worker_on_the_spare_prefill_group():
+    """With prefill and decode pools, the prefill pool holds warm capacity for the declared peak too (its share of
+    it: the long prompts'), so a burst of long prompts is served by a promotion rather than a cold start."""
+    flags = ["--model", TINY_RANDOM_MODEL_NAME, "--device", "cpu=prefill,cpu=decode", "--spare-devices", "cpu=prefill",
+             "--disagg-min-prompt-tokens", "16", "--autoscale-max-workers", "2",
+             "--autoscale-peak-rps", "1000"]  # fmt: skip
+    with Daemon(*flags) as daemon:
+        # No step time measured yet: a declared peak holds all the ceiling allows, which for the prefill pool is
+        # the spare prefill group; the decode pool has no spare group to hold one on.
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "serving", "standby"], timeout=120)
+        loads = daemon.admin.GetLoad(pb.GetLoadRequest())
+        (standby,) = [s for s in loads.schedulers if s.state == "standby"]
+        assert standby.role == "prefill"
+        decisions = {d.role: d for d in loads.autoscale}
+        assert decisions["prefill"].desired_standby == 1 and decisions["prefill"].peak_requests_per_second == 1000

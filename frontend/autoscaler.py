@@ -102,11 +102,14 @@ class Autoscaler:
             self._came_up.add(model)
         now = time.monotonic()
         has_prefill = any(s.last_role == "prefill" for s in workers)
-        await self._tick_pool(model, "decode" if has_prefill else "mixed", workers, now)
+        arrivals = self.inputs.arrivals(model)  # sorted once a tick, for both pools' forecasts and capacities
+        await self._tick_pool(model, "decode" if has_prefill else "mixed", workers, arrivals, now)
         if has_prefill:  # disaggregated serving: the prefill workers are a pool of their own
-            await self._tick_pool(model, "prefill", workers, now)
+            await self._tick_pool(model, "prefill", workers, arrivals, now)
 
-    async def _tick_pool(self, model: str, role: str, workers: list[SchedulerState], now: float) -> None:
+    async def _tick_pool(
+        self, model: str, role: str, workers: list[SchedulerState], arrivals: list[tuple[float, int, int]], now: float
+    ) -> None:
         """One pool's decision: the routed workers ("mixed", or "decode" beside a prefill pool) on the frontend's
         queue, the forecast and the peak; the prefill workers on their own projected TTFT (requests reach them
         with no queue of their own), and on the forecast and the peak of the long prompts, which are theirs."""
@@ -129,7 +132,7 @@ class Autoscaler:
             num_starting=sum(s.worker_state == WorkerState.STARTING and not s.standby for s in members),
         )
         state = self._states.setdefault((model, role), AutoscaleState())
-        arrivals, share = self._pool_arrivals(model, prefill)
+        arrivals, share = self._pool_arrivals(arrivals, prefill)
         decision = decide(snapshot, self._policy, state, self._forecast_floor(model, now, arrivals))
         peak = peak_rate(self.inputs.window_counts(model), now, self._policy) * share
         capacity = self._capacity_rps(model, arrivals)
@@ -148,11 +151,12 @@ class Autoscaler:
         self._sent[(model, role)] = (decision.desired, standby)
         await self._control.scale(model, decision.desired, standby, decision.reason, role)
 
-    def _pool_arrivals(self, model: str, prefill: bool) -> tuple[list[tuple[float, int, int]], float]:
-        """The recent arrivals a pool serves, sorted once a tick for the forecast and the capacity, and their share
-        of all arrivals (the share of the peak that is the pool's). A prefill worker computes the prompts of
-        disagg_min_prompt_tokens or more and one token of each; the routed pool sees every request."""
-        arrivals = self.inputs.arrivals(model)
+    def _pool_arrivals(
+        self, arrivals: list[tuple[float, int, int]], prefill: bool
+    ) -> tuple[list[tuple[float, int, int]], float]:
+        """Of the model's recent arrivals (sorted), those a pool serves, and their share of all arrivals (the share
+        of the peak that is the pool's). A prefill worker computes the prompts of disagg_min_prompt_tokens or more
+        and one token of each; the routed pool sees every request."""
         if not prefill:
             return arrivals, 1.0
         long = [(arrived, prompt, 1) for arrived, prompt, _ in arrivals if prompt >= self._min_prefill_prompt]

@@ -13,9 +13,10 @@ from typing import Annotated, Literal
 import msgspec
 
 from common.checks import is_int, is_number, require
+from gpu_runtime.attention.catalog import ATTENTION_BACKEND_CHOICES, ATTENTION_BACKEND_HELP
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "batched", "cpu_paged", "torch")  # gpu_runtime/attention/backend.py builds them
+ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES  # the backends' one table: gpu_runtime/attention/catalog.py
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -89,15 +90,7 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         ),
     ] = 0.9
     enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
-    attention_backend: Annotated[
-        Literal["auto", "batched", "cpu_paged", "torch"],
-        _doc(
-            "the attention kernels, all over the paged cache: batched (plain torch, any device: one call per step "
-            "for the decodes, one for the prompt chunks), cpu_paged (a C++ decode kernel reading the pages in "
-            "place, CPU only), torch (one call per sequence: the reference), auto (cpu_paged on a CPU, torch there if "
-            "the kernel cannot be built, batched on CUDA)"
-        ),
-    ] = "auto"
+    attention_backend: Annotated[Literal[ATTENTION_BACKENDS], _doc(ATTENTION_BACKEND_HELP)] = "auto"
     tensor_parallel_size: Annotated[
         int,
         _doc(

@@ -67,6 +67,18 @@ class StepTimeModel:
         return max(0, int((seconds - a - c * num_seqs) / b))
 
 
+def prefill_seconds(model: StepTimeModel, token_budget: int, num_decodes: int, prompt_tokens: int) -> float:
+    """Seconds until `prompt_tokens` are prefilled in steps that also carry `num_decodes` running decodes: full
+    steps at the token budget, then one partial step, each as long as the model predicts. The time-to-first-token
+    projection every waiting request gets (the scheduler's) and the autoscaling simulator's workers."""
+    per_step = max(1, token_budget - num_decodes)
+    full_steps, rest = divmod(prompt_tokens, per_step)
+    seconds = full_steps * model.predict(token_budget, num_decodes + 1)
+    if rest:
+        seconds += model.predict(rest + num_decodes, num_decodes + 1)
+    return seconds
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     token_budget: int  # tokens this step may compute

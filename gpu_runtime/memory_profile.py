@@ -21,8 +21,8 @@ from gpu_runtime.memory_budget import (
 )
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.cpu_weights import can_prepack, prepack_linears
-from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.loader import load_model
+from gpu_runtime.model.registry import CausalLM
 from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.model_runner import ModelRunner
 from gpu_runtime.sampler import Sampler
@@ -72,7 +72,7 @@ def largest_steps(config: EngineConfig, max_model_len: int) -> list[StepShape]:
 
 
 def build_step(
-    shape: StepShape, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig, dtype, device
+    shape: StepShape, model: CausalLM, model_config: ModelConfig, config: EngineConfig, dtype, device
 ) -> tuple[ModelRunner, SchedulerOutput]:
     """`shape` as real sequences over a temporary pool just large enough (its cached K/V zeros), and the real
     runner."""
@@ -138,7 +138,7 @@ class _CudaUsage:
 
 
 def profiled_activation_bytes(
-    model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device
+    model: CausalLM, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device
 ) -> int:
     """The most memory any of the largest steps allocates beyond the weights (and its temporary pool); what they
     allocated is then freed and handed back to the device."""
@@ -174,7 +174,7 @@ def load_model_and_pool(
     device: torch.device,
     tp: TensorParallel | None = None,
     channel: StepChannel | None = None,
-) -> tuple[LlamaForCausalLM, KVPool, MemoryPlan]:
+) -> tuple[CausalLM, KVPool, MemoryPlan]:
     """The loaded model, its KV pool, and the numbers that sized the pool.
 
     Under tensor parallelism (`tp`, and the group's `channel`) this rank's shard and pool: every rank of the group

@@ -7,7 +7,7 @@ import time
 import torch
 
 from gpu_runtime.kv_cache.kv_pool import KVPool
-from gpu_runtime.model.llama import LlamaForCausalLM
+from gpu_runtime.model.registry import CausalLM
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.step_inputs import StepInputs, StepPlan, inputs_of_plan, plan_step
 from gpu_runtime.tp.step_channel import RunStep, StepChannel
@@ -16,31 +16,36 @@ from gpu_runtime.tp.step_channel import RunStep, StepChannel
 class ModelRunner:
     """Owns the model and the KV pool; knows nothing of queues or sampling policy.
 
-    Under tensor parallelism, rank 0's runner has the group's `channel`: each step's plan goes to the other ranks
-    before its own forward, and theirs (gpu_runtime/tp/rank_main.py) run it from the plan."""
+    Each step's inputs are planned by the model's attention backend as they are built (its `plan`, once per step,
+    before the forward), on rank 0 and on every other tensor-parallel rank alike. Under tensor parallelism, rank
+    0's runner has the group's `channel`: each step's plan goes to the other ranks before its own forward, and
+    theirs (gpu_runtime/tp/rank_main.py) run it from the plan."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, device: torch.device, channel: StepChannel | None = None):
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, channel: StepChannel | None = None):
         self.model = model
         self.pool = pool
         self.device = device
         self.channel = channel
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
-        self._needs_spans = model.layers[0].self_attn.backend.uses_spans
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         plan, sampling = plan_step(step, self.pool.page_size)
         if self.channel is not None:
             self.channel.send(RunStep(plan))
-        return inputs_of_plan(plan, self.device, self._needs_spans, sampling)
+        return self._planned(inputs_of_plan(plan, self.device, sampling))
 
     def prepare_plan(self, plan: StepPlan) -> StepInputs:
         """A tensor-parallel rank's inputs, from rank 0's plan (it samples nothing)."""
-        return inputs_of_plan(plan, self.device, self._needs_spans, [])
+        return self._planned(inputs_of_plan(plan, self.device, []))
+
+    def _planned(self, inputs: StepInputs) -> StepInputs:
+        self.model.attention_backend.plan(inputs.meta)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Runs one forward over the flattened batch; returns [num_sequences, vocab] float32 logits (None on a
-        tensor-parallel rank other than 0: the logits are gathered to rank 0).
+        """Runs one forward over the flattened batch (the last inputs prepared); returns [num_sequences, vocab]
+        float32 logits (None on a tensor-parallel rank other than 0: the logits are gathered to rank 0).
 
         Nothing here waits for the device: on CUDA the sampler's one read-back of the tokens is the step's only
         synchronisation, so this time is the host's (launching the kernels) there, and the whole forward on CPU.

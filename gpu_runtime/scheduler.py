@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from gpu_runtime.engine_config import SchedulerConfig
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.kv_cache.manager import KVCacheManager
-from gpu_runtime.latency import LatencyPolicy, StepPlan
+from gpu_runtime.latency import LatencyPolicy, StepPlan, prefill_seconds
 from gpu_runtime.sequence import Sequence, SequenceStatus
 
 
@@ -247,15 +247,10 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         num_decodes = len(self.running)
         budget = self.policy.token_budget(num_decodes + 1)
-        per_step = max(1, budget - num_decodes)
-        full_step_seconds = model.predict(budget, num_decodes + 1)
         ahead = sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
         projections = {}
         for seq in self.waiting:
             ahead += seq.num_uncomputed_tokens
-            full_steps, rest = divmod(ahead, per_step)
-            seconds = full_steps * full_step_seconds
-            if rest:
-                seconds += model.predict(rest + num_decodes, num_decodes + 1)
+            seconds = prefill_seconds(model, budget, num_decodes, ahead)
             projections[seq.request_id] = (now - seq.arrival_time) + seconds
         return projections

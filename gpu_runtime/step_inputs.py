@@ -1,9 +1,9 @@
 """A scheduled step as model inputs: token ids, positions, cache slots and attention metadata, as batch tensors.
 
 Everything the device needs is written into one host list of int64 and copied in one transfer (from pinned
-memory, without waiting, on CUDA); the tensors the model reads are views of that one copy, and the masks are
-computed on the device from them. Python touches each sequence a few times per step, never each cached token:
-a decode adds one id, one position, one slot and its block-table row.
+memory, without waiting, on CUDA); the tensors the model reads are views of that one copy (the backends that use
+masks compute them on the device from these, in their `plan`). Python touches each sequence a few times per step,
+never each cached token: a decode adds one id, one position, one slot and its block-table row.
 
 Two stages: `plan_step` turns the scheduler's choice into a StepPlan of plain integers, and `inputs_of_plan`
 turns a plan into tensors. Tensor-parallel ranks receive the plan (msgspec, never pickle) and run only the second.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PrefillBatch, SequenceSpan
+from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PlanRow, PrefillBatch
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.sequence import Sequence
 
@@ -28,15 +28,6 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # the last row of each sampling sequence, in `sampling` order
     sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
-
-
-class PlanRow(msgspec.Struct, frozen=True, array_like=True):
-    """One sequence's part of the step."""
-
-    query_start: int  # its first row in the flattened batch
-    query_len: int
-    context_len: int  # tokens in its cache after the step
-    pages: list[int]  # the pages holding those tokens, in order
 
 
 class StepPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -71,10 +62,10 @@ class _HostBuffer:
         return [device_copy[start : start + length].view(shape) for start, length, shape in self.sections]
 
 
-def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device, with_spans: bool) -> StepInputs:
-    """The step's inputs; `with_spans` adds the per-sequence spans that one-sequence-at-a-time backends read."""
+def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device) -> StepInputs:
+    """The step's inputs (its attention backend's `plan` still to run on their metadata)."""
     plan, sampling = plan_step(step, page_size)
-    return inputs_of_plan(plan, device, with_spans, sampling)
+    return inputs_of_plan(plan, device, sampling)
 
 
 def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Sequence]]:
@@ -120,7 +111,7 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
     return plan, sampling
 
 
-def inputs_of_plan(plan: StepPlan, device: torch.device, with_spans: bool, sampling: list[Sequence]) -> StepInputs:
+def inputs_of_plan(plan: StepPlan, device: torch.device, sampling: list[Sequence]) -> StepInputs:
     """The plan's tensors on `device`, in one host-to-device copy."""
     decode_rows, prefill_rows, num_real_decodes = plan.decode_rows, plan.prefill_rows, plan.num_real_decodes
     buffer = _HostBuffer()
@@ -130,13 +121,9 @@ def inputs_of_plan(plan: StepPlan, device: torch.device, with_spans: bool, sampl
     prefill_sections = _add_prefill_sections(buffer, prefill_rows)
     tensors = buffer.to_device(device)
 
-    decode = _decode_batch(tensors, decode_sections, decode_rows, device)
-    prefill = _prefill_batch(tensors, prefill_sections, prefill_rows, device)
-    spans: tuple[SequenceSpan, ...] = ()
-    if with_spans:
-        spans = _spans(decode_rows[:num_real_decodes], decode, 0) + _spans(prefill_rows, prefill, 0)
-        spans += _spans(decode_rows[num_real_decodes:], decode, num_real_decodes)
-    meta = AttentionMetadata(slot_mapping=tensors[slots_at], spans=spans, decode=decode, prefill=prefill)
+    decode = _decode_batch(tensors, decode_sections, decode_rows)
+    prefill = _prefill_batch(tensors, prefill_sections, prefill_rows)
+    meta = AttentionMetadata(slot_mapping=tensors[slots_at], decode=decode, prefill=prefill)
     return StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sampling)
 
 
@@ -187,37 +174,26 @@ def _add_prefill_sections(buffer: _HostBuffer, rows: list[PlanRow]) -> dict[str,
     }
 
 
-def _decode_batch(tensors, sections: dict[str, int], rows: list[PlanRow], device) -> DecodeBatch | None:
+def _decode_batch(tensors, sections: dict[str, int], rows: list[PlanRow]) -> DecodeBatch | None:
     if not rows:
         return None
     max_context = max(row.context_len for row in rows)
-    keys = torch.arange(max_context, device=device)
-    context_lens = tensors[sections["context"]]
-    key_mask = keys[None, :] < context_lens[:, None]
     batch_rows = tensors[sections["rows"]] if "rows" in sections else slice(0, len(rows))
-    return DecodeBatch(batch_rows, tensors[sections["table"]], context_lens, key_mask[:, None, None, :], max_context)
+    table, context_lens = tensors[sections["table"]], tensors[sections["context"]]
+    return DecodeBatch(batch_rows, table, context_lens, max_context, tuple(rows))
 
 
-def _prefill_batch(tensors, sections: dict[str, int], rows: list[PlanRow], device) -> PrefillBatch | None:
+def _prefill_batch(tensors, sections: dict[str, int], rows: list[PlanRow]) -> PrefillBatch | None:
     if not rows:
         return None
-    max_context = max(row.context_len for row in rows)
-    keys = torch.arange(max_context, device=device)
-    mask = keys[None, None, :] <= tensors[sections["query_positions"]][:, :, None]
     first, last = rows[0], rows[-1]
     return PrefillBatch(
         rows=slice(first.query_start, last.query_start + last.query_len),
         block_table=tensors[sections["table"]],
         query_rows=tensors[sections["query_rows"]],
+        query_positions=tensors[sections["query_positions"]],
         real_queries=tensors[sections["real"]],
-        mask=mask[:, None],
-        max_context=max_context,
+        max_context=max(row.context_len for row in rows),
         is_one_fresh_prompt=len(rows) == 1 and first.context_len == first.query_len,
-    )
-
-
-def _spans(rows: list[PlanRow], batch: DecodeBatch | PrefillBatch | None, first_table_row: int) -> tuple:
-    return tuple(
-        SequenceSpan(row.query_start, row.query_len, row.context_len, batch.block_table[i, : len(row.pages)])
-        for i, row in enumerate(rows, start=first_table_row)
+        plan_rows=tuple(rows),
     )

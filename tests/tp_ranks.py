@@ -49,7 +49,7 @@ def run_steps(model: LlamaForCausalLM, job: dict) -> list[torch.Tensor] | None:
     that read a cached prefix. Returns, per sequence, the logits of every position ([tokens, vocab], in position
     order), on rank 0; None on the other ranks."""
     config = model.config  # the rank's own view: its KV heads only
-    backend = model.layers[0].self_attn.backend
+    backend = model.attention_backend
     prompts, continuations, chunk = job["prompts"], job["continuations"], job["chunk"]
     pages_per_seq = [-(-(len(p) + len(c)) // PAGE_SIZE) for p, c in zip(prompts, continuations, strict=True)]
     pool = KVPool(config, sum(pages_per_seq), PAGE_SIZE, torch.float32, CPU)
@@ -72,7 +72,8 @@ def run_steps(model: LlamaForCausalLM, job: dict) -> list[torch.Tensor] | None:
                 step.decodes.append(seq)
         if step.is_empty:
             break
-        inputs = build_step_inputs(step, PAGE_SIZE, CPU, with_spans=backend.uses_spans)
+        inputs = build_step_inputs(step, PAGE_SIZE, CPU)
+        backend.plan(inputs.meta)  # once per step, before the forward, as ModelRunner does
         hidden = model(inputs.input_ids, inputs.positions, pool.layers, inputs.meta)
         logits = model.compute_logits(hidden)  # every row, not just the sampling ones: all positions are compared
         row = 0

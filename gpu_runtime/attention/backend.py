@@ -1,19 +1,63 @@
-"""The attention backend interface and the choice between the implementations."""
+"""The attention backend interface (a per-step plan, then a per-layer forward), the per-layer options, and the
+factory that makes a backend by its name (the names: catalog.py)."""
 
 from __future__ import annotations
 
+import importlib
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
+from gpu_runtime.attention.catalog import backend_entry
 from gpu_runtime.attention.metadata import AttentionMetadata
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttentionOptions:
+    """How one layer attends, as its model family says: Mistral's window, Gemma's soft-cap and query scale. The
+    model builds one per layer; a backend checks once, as the model is built, that it can run them."""
+
+    scale: float  # multiplies q.k before the softmax
+    sliding_window: int | None = None  # a query sees itself and the sliding_window - 1 positions before it
+    logit_softcap: float | None = None  # scores become logit_softcap * tanh(scores / logit_softcap)
+
+    @classmethod
+    def default(cls, head_dim: int) -> LayerAttentionOptions:
+        # 1 / sqrt(d), as SDPA computes its default scale: the same double, so passing it changes no bit.
+        return cls(scale=1.0 / math.sqrt(head_dim))
+
+    @property
+    def is_plain(self) -> bool:
+        """Full causal attention with nothing on the scores but the scale."""
+        return self.sliding_window is None and self.logit_softcap is None
+
+
 class AttentionBackend(ABC):
-    """Writes a layer's new K/V into its page pool, then attends every new query over its pages."""
+    """Writes a layer's new K/V into its page pool, then attends every new query over its pages.
+
+    Once per step the runner calls `plan` with the step's metadata, before the forward: the backend derives there
+    whatever its kernels read in every layer (SDPA masks, per-sequence spans; a kernel library's plan and its
+    buffers), and owns it. Then `forward` runs once per layer with that same metadata and the layer's options."""
 
     name: str
-    uses_spans: bool  # whether it reads the metadata's per-sequence spans (built only for backends that do)
+
+    @classmethod
+    def create(cls, device: torch.device) -> AttentionBackend:
+        """The backend for `device`; ValueError saying why it cannot run there."""
+        return cls()
+
+    def check_options(self, options: LayerAttentionOptions) -> None:
+        """Raises ValueError naming what this backend cannot do (the batched kernels do plain attention only)."""
+        if options.sliding_window is not None:
+            raise ValueError(f"attention_backend: {self.name} has no sliding-window attention (torch has)")
+        if options.logit_softcap is not None:
+            raise ValueError(f"attention_backend: {self.name} has no logit soft-capping (torch has)")
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepares the step `meta` describes, for every layer's forward; called once per step, before them."""
 
     @abstractmethod
     def forward(
@@ -23,37 +67,29 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], this layer's pool
         v_pages: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata,  # the step's, as given to `plan`
+        options: LayerAttentionOptions,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called `name`, for `device`:
-    - "batched": plain torch, any device; one call per step for the decodes and one for the prompt chunks;
-    - "cpu_paged": the CPU's C++ decode kernel reading K/V in place, and batched prompt chunks;
-    - "torch": plain torch, any device, one call per sequence: the reference the others are checked against;
-    - "auto": the fastest that is exact here: on CUDA batched; on a CPU cpu_paged, or where its kernel cannot be
-      built, torch (on a CPU the padded, masked SDPA of batched costs more than a call per sequence once context
-      lengths differ: scripts/bench_attention.py).
-    """
-    from gpu_runtime.attention.batched import BatchedPagedAttention
-    from gpu_runtime.attention.cpu_kernel import load_cpu_kernel
-    from gpu_runtime.attention.cpu_paged import CpuPagedAttention
-    from gpu_runtime.attention.torch_paged import TorchPagedAttention
+def require_planned(state, meta: AttentionMetadata, backend: str):
+    """`state`, what a backend's plan derived, if it was derived from this step's `meta`; else RuntimeError (a
+    forward without its step's plan would read another step's masks)."""
+    if state is None or state.meta is not meta:
+        raise RuntimeError(f"attention backend {backend}: forward before plan(meta) for this step")
+    return state
 
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called `name` (catalog.py lists them), for `device`; "auto" is the fastest that is exact here:
+    on CUDA batched; on a CPU cpu_paged, or where its kernel cannot be built, torch (on a CPU the padded, masked SDPA
+    of batched costs more than a call per sequence once context lengths differ: scripts/bench_attention.py)."""
     if name == "auto" and device.type != "cpu":
         name = "batched"
     elif name == "auto":
+        from gpu_runtime.attention.cpu_kernel import load_cpu_kernel
+
         name = "cpu_paged" if load_cpu_kernel() is not None else "torch"
-    if name == "cpu_paged":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend: cpu_paged runs on the CPU only, not on {device}")
-        kernel = load_cpu_kernel()
-        if kernel is None:
-            raise ValueError("attention_backend: cpu_paged's kernel could not be built here (see the message above)")
-        return CpuPagedAttention(kernel)
-    backends = {"batched": BatchedPagedAttention, "torch": TorchPagedAttention}
-    if name not in backends:
-        raise ValueError(f"attention_backend: {name!r} is not one of auto, batched, cpu_paged, torch")
-    return backends[name]()
+    module, _, cls = backend_entry(name).implementation.partition(":")
+    return getattr(importlib.import_module(module), cls).create(device)

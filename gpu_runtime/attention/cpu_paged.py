@@ -5,25 +5,40 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.attention.backend import AttentionBackend
-from gpu_runtime.attention.batched import prefill_attention
+from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions, require_planned
+from gpu_runtime.attention.batched import SdpaMasks, prefill_attention
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.attention.pages import write_pages
 
 
 class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
-    uses_spans = False
 
     def __init__(self, kernel):
         self._paged_decode = kernel  # gpu_runtime.attention.cpu_kernel.load_cpu_kernel()
+        self._masks: SdpaMasks | None = None
 
-    def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
+    @classmethod
+    def create(cls, device: torch.device) -> CpuPagedAttention:
+        from gpu_runtime.attention.cpu_kernel import load_cpu_kernel
+
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend: cpu_paged runs on the CPU only, not on {device}")
+        kernel = load_cpu_kernel()
+        if kernel is None:
+            raise ValueError("attention_backend: cpu_paged's kernel could not be built here (see the message above)")
+        return cls(kernel)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        self._masks = SdpaMasks.of(meta, with_decode=False)  # the kernel needs no mask: only the prompt chunks do
+
+    def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata, options: LayerAttentionOptions):
+        masks = require_planned(self._masks, meta, self.name)
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
         decode = meta.decode
         if decode is not None:
             decoded = self._paged_decode(
-                q[decode.rows], k_pages, v_pages, decode.block_table, decode.context_lens, q.shape[-1] ** -0.5
+                q[decode.rows], k_pages, v_pages, decode.block_table, decode.context_lens, options.scale
             )
             if meta.prefill is None and decoded.shape[0] == q.shape[0]:  # a decode-only step: nothing to merge
                 return decoded
@@ -32,5 +47,6 @@ class CpuPagedAttention(AttentionBackend):
             out[decode.rows] = decoded
         if meta.prefill is not None:
             rows = meta.prefill.rows
-            out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill)
+            out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill, masks.prefill,
+                                          options.scale)  # fmt: skip
         return out

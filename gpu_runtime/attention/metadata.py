@@ -1,28 +1,25 @@
 """Per-step attention metadata: where each new token's K/V goes and which pages each sequence reads.
 
 Built once per step (gpu_runtime/step_inputs.py) from one host buffer copied to the device in one go, and
-shared by every layer: block tables, context lengths and masks are batch tensors, never per-layer work.
+shared by every layer: block tables and context lengths are batch tensors, never per-layer work. What only some
+backends read (SDPA masks, per-sequence spans) each backend derives itself, in its `plan`, once per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceSpan:
-    """One sequence's rows in the flattened batch: a decode (one query) or a prefill (a run of them)."""
+class PlanRow(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's part of the step, as plain host integers (tensor-parallel ranks receive them as they are)."""
 
-    query_start: int  # first row of this sequence in the flattened token batch
-    query_len: int  # new tokens computed this step
-    context_len: int  # tokens in the cache after this step, the new ones included
-    page_ids: torch.Tensor  # [ceil(context_len / page_size)] pages holding the context, in order
-
-    @property
-    def has_cached_prefix(self) -> bool:
-        return self.context_len > self.query_len
+    query_start: int  # its first row in the flattened batch
+    query_len: int
+    context_len: int  # tokens in its cache after the step
+    pages: list[int]  # the pages holding those tokens, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +29,8 @@ class DecodeBatch:
     rows: slice | torch.Tensor  # their rows in the flattened batch (a slice unless padding rows join them)
     block_table: torch.Tensor  # [num_seqs, max_pages] each row's pages in order, padded with page 0
     context_lens: torch.Tensor  # [num_seqs]
-    key_mask: torch.Tensor  # [num_seqs, 1, 1, max_context] True where the key is in the row's context
     max_context: int
+    plan_rows: tuple[PlanRow, ...]  # the same rows on the host, in block-table order (no device read needed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,21 +40,21 @@ class PrefillBatch:
     rows: slice  # the chunks' rows, back to back after the decodes
     block_table: torch.Tensor  # [num_seqs, max_pages]
     query_rows: torch.Tensor  # [num_seqs, max_query] flat row of each padded query; pads repeat the chunk's last
+    query_positions: torch.Tensor  # [num_seqs, max_query] the position of each padded query
     real_queries: torch.Tensor  # positions in the padded [num_seqs * max_query] order of the real ones, in row order
-    mask: torch.Tensor  # [num_seqs, 1, max_query, max_context] causal within each sequence's context
     max_context: int
     # One chunk and nothing cached before it: its own fresh K/V is its whole context, no pages are read.
     is_one_fresh_prompt: bool
+    plan_rows: tuple[PlanRow, ...]  # the chunks on the host, in block-table order
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """The flattened batch holds each sequence's new tokens back to back: decodes, then prefills, then a static
-    batch's padding rows; no sequence's keys are padded to another's length in `spans`."""
+    batch's padding rows."""
 
     # Flat cache slot (page * page_size + offset) of each new token; the rows after the last one, if any, are
     # padding (a static batch's finished sequences): computed, never stored.
     slot_mapping: torch.Tensor
-    spans: tuple[SequenceSpan, ...]  # per sequence, for backends that attend one sequence at a time
-    decode: DecodeBatch | None = None  # for batched backends: the single-query rows
-    prefill: PrefillBatch | None = None  # and the prompt chunks
+    decode: DecodeBatch | None = None  # the single-query rows
+    prefill: PrefillBatch | None = None  # the prompt chunks

@@ -8,10 +8,8 @@ from typing import Any
 import torch
 
 from gpu_runtime.gguf.reader import GGUFFile
+from gpu_runtime.model import registry
 
-# GGUF architectures tokend serves, and the transformers class each one's tensors map onto. Mistral GGUFs say
-# "llama": llama.cpp converts them as Llama.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # Control tokens that end generation whatever the file's eos id says, as llama.cpp treats them (end of a turn,
 # end of a document): a completion prompt ends at the document's end, a chat reply at its turn's.
 END_OF_GENERATION_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"})
@@ -21,10 +19,10 @@ _CONTROL = 3  # llama.cpp's token type for special tokens
 def hf_config(gguf: GGUFFile, rope_factors: torch.Tensor | None) -> dict[str, Any]:
     """config.json for the model; `rope_factors` is the file's `rope_freqs.weight` (Llama 3.1 scaling), if any."""
     architecture = gguf.architecture
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    entry = registry.gguf_architecture(architecture)  # the model registry's entries name the GGUFs they read
+    if entry is None:
         raise ValueError(
-            f"model: GGUF architecture {architecture!r} is not supported; tokend reads "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            f"model: GGUF architecture {architecture!r} is not supported; tokend reads {registry.gguf_names()}"
         )
     hidden = int(_required(gguf, "embedding_length"))
     num_heads = int(_required(gguf, "attention.head_count"))
@@ -39,8 +37,8 @@ def hf_config(gguf: GGUFFile, rope_factors: torch.Tensor | None) -> dict[str, An
     context = int(gguf.hparam("context_length", 2048))
     tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
     config = {
-        "architectures": [SUPPORTED_ARCHITECTURES[architecture]],
-        "model_type": architecture,
+        "architectures": [entry.hf_classes[0]],
+        "model_type": entry.name,
         "vocab_size": int(gguf.hparam("vocab_size", len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": int(_required(gguf, "feed_forward_length")),

@@ -9,6 +9,8 @@ from typing import Any
 
 from gguf import GGUFReader, ReaderTensor
 
+from gpu_runtime.gguf.layout_check import MalformedGGUF, check_gguf_layout
+
 
 @dataclass(frozen=True)
 class GGUFFile:
@@ -29,13 +31,16 @@ class GGUFFile:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Opens a GGUF file; raises ValueError naming it when it is not one."""
+    """Opens a GGUF file; raises ValueError naming it (and the field at fault) when it is not a well-formed one."""
     path = Path(path)
     try:
+        check_gguf_layout(path)  # bounded first: gguf's reader trusts the header's counts and offsets
         reader = GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"model: {path} is not a readable GGUF file: {error}") from None
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+    except MalformedGGUF as error:
+        raise ValueError(f"model: {path} is not a well-formed GGUF file: {error}") from None
+    except (ValueError, OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ValueError(f"model: {path} is not a readable GGUF file: {error!r}") from None
     return GGUFFile(path, metadata, list(reader.tensors))
 
 

@@ -70,18 +70,27 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
     for page in present:  # pinned while allocating, so making room cannot evict the chain's own pages
         allocator.share(page)
     pages = allocator.allocate(len(missing))
-    if pages:
-        rows = [carried[i] for i in missing]
-        whole = rows == list(range(export.num_rows))  # every row, in order: no gather needed
-        index = torch.tensor(rows, dtype=torch.long)
-        target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
-        for layer, (k, v) in enumerate(pool.layers):
-            keys = export.keys[layer] if whole else export.keys[layer].index_select(0, index)
-            values = export.values[layer] if whole else export.values[layer].index_select(0, index)
-            k.index_copy_(0, target, keys.to(k.device, k.dtype))
-            v.index_copy_(0, target, values.to(v.device, v.dtype))
+    try:
+        _copy_rows(pool, export, [carried[i] for i in missing], pages)
+    except BaseException:
+        allocator.free(present + pages)  # a failure part-way takes nothing: the chain as it was, the new pages empty
+        raise
     for page, i in zip(pages, missing, strict=True):
         allocator.register(page, export.page_hashes[i])
         chain[i] = page
     allocator.free(chain[::-1])  # tail first into the LRU, so the chain's head stays cached longest
     return len(pages)
+
+
+def _copy_rows(pool: KVPool, export: PageExport, rows: list[int], pages: list[int]) -> None:
+    """The export's `rows` into this pool's `pages`, layer by layer."""
+    if not pages:
+        return
+    whole = rows == list(range(export.num_rows))  # every row, in order: no gather needed
+    index = torch.tensor(rows, dtype=torch.long)
+    target = torch.tensor(pages, dtype=torch.long, device=pool.layers[0][0].device)
+    for layer, (k, v) in enumerate(pool.layers):
+        keys = export.keys[layer] if whole else export.keys[layer].index_select(0, index)
+        values = export.values[layer] if whole else export.values[layer].index_select(0, index)
+        k.index_copy_(0, target, keys.to(k.device, k.dtype))
+        v.index_copy_(0, target, values.to(v.device, v.dtype))

@@ -1,2 +1,2 @@
 """KV pages handed from prefill workers to decode workers (disaggregated serving): leases, the pull protocol, and
-its ZeroMQ transport."""
+its transports (transport.py: ZeroMQ frames, NIXL)."""

@@ -2,8 +2,9 @@
 prefill worker's registered KV pool, no copy on the prefill side. NIXL is what vLLM, SGLang and Dynamo use, and
 the same calls move GPU memory (and, between boxes, RDMA) where UCX has the transports.
 
-The control stays on the ZeroMQ pull socket (wire.py): the decode worker asks for the pool's description once per
-prefill worker, then locks a lease's pages for the read and unlocks them after. NIXL's agent metadata travels as
+The control stays on the ZeroMQ pull socket (wire.py): the decode worker locks a lease's pages with the lease's
+token, which registers those pages (they alone) and answers with their description, READs them, and unlocks them,
+which deregisters them. NIXL's agent metadata travels as
 the opaque bytes NIXL makes of it; descriptors as plain (address, length, device) integers in msgspec, never
 through NIXL's pickling get_serialized_descs. Pages with consecutive ids go as one descriptor per layer, K and V.
 """
@@ -44,31 +45,54 @@ def _mem_type(device: torch.device) -> str:
 
 
 class NixlPool:
-    """The prefill side: its KV pool registered with NIXL once, and described for readers."""
+    """The prefill side: an agent that registers a lock's pages, and no others, for the one reader that locked them.
+    A reader's NIXL refuses any address outside what the metadata it was given names (and, on RDMA, so does the
+    NIC); nothing outside a lease is ever registered."""
 
     def __init__(self, pool: KVPool):
         self.name = f"tokend-prefill-{uuid.uuid4().hex[:12]}"
         self._agent = _agent(self.name)
-        tensors = [t for layer in pool.layers for t in layer]
-        self._registered = self._agent.register_memory(tensors)
+        self._layers = pool.layers
         first = pool.layers[0][0]
-        self.description = PoolDescription(
+        self._page_bytes = first[0].numel() * first.element_size()
+        self._device_id = max(first.get_device(), 0)
+        self._mem_type = _mem_type(first.device)
+        self._dtype = str(first.dtype).removeprefix("torch.")
+        self._page_shape = list(first.shape[1:])
+
+    def expose(self, page_ids: list[int]) -> tuple[object, PoolDescription]:
+        """Registers the pages (K and V of every layer, a region per run of consecutive ids); returns the
+        registration (for withdraw) and the description of them alone that their reader needs."""
+        regions = [
+            (base + first * self._page_bytes, count * self._page_bytes, self._device_id, "")
+            for k, v in self._layers
+            for base in (k.data_ptr(), v.data_ptr())
+            for first, count, _ in _runs(sorted(page_ids))
+        ]
+        registered = self._agent.register_memory(regions, self._mem_type)
+        try:
+            metadata = self._agent.get_partial_agent_metadata(registered, True)
+        except BaseException:
+            self._agent.deregister_memory(registered)
+            raise
+        description = PoolDescription(
             agent_name=self.name,
-            agent_metadata=self._agent.get_agent_metadata(),
-            regions=[(k.data_ptr(), v.data_ptr()) for k, v in pool.layers],
-            page_bytes=first[0].numel() * first.element_size(),
-            device_id=max(first.get_device(), 0),
-            mem_type=_mem_type(first.device),
-            dtype=str(first.dtype).removeprefix("torch."),
-            page_shape=list(first.shape[1:]),
+            agent_metadata=metadata,
+            regions=[(k.data_ptr(), v.data_ptr()) for k, v in self._layers],
+            page_bytes=self._page_bytes,
+            device_id=self._device_id,
+            mem_type=self._mem_type,
+            dtype=self._dtype,
+            page_shape=self._page_shape,
         )
+        return registered, description
+
+    def withdraw(self, registration) -> None:
+        self._agent.deregister_memory(registration)
 
     def progress(self) -> None:
         """Lets UCX move what a reader asked of this side (reading notifications drives its worker)."""
         self._agent.get_new_notifs()
-
-    def close(self) -> None:
-        self._agent.deregister_memory(self._registered)
 
 
 class NixlReader:
@@ -76,31 +100,23 @@ class NixlReader:
 
     def __init__(self):
         self._agent = _agent(f"tokend-decode-{uuid.uuid4().hex[:12]}")
-        self._remotes: set[str] = set()
 
     def read(self, pool: PoolDescription, page_ids: list[int], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pages' K and V, [layers, pages, *page_shape] each; raises on failure or after timeout_s."""
-        if pool.agent_name not in self._remotes:
-            self._agent.add_remote_agent(pool.agent_metadata)
-            self._remotes.add(pool.agent_name)
+        """The pages' K and V, [layers, pages, *page_shape] each; raises on failure or after timeout_s. The pool's
+        metadata names only these pages, and only for this read: it is forgotten after it."""
         dtype = getattr(torch, pool.dtype)
         shape = [len(pool.regions), len(page_ids), *pool.page_shape]
         keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        remote_name = self._agent.add_remote_agent(pool.agent_metadata)
         registered = self._agent.register_memory([keys, values])
         handle = None
         try:
-            local, remote = [], []
-            for layer, bases in enumerate(pool.regions):
-                for target, base in zip((keys, values), bases, strict=True):
-                    start = target.data_ptr() + layer * len(page_ids) * pool.page_bytes
-                    for first, count, slot in _runs(page_ids):
-                        local.append((start + slot * pool.page_bytes, count * pool.page_bytes, 0))
-                        remote.append((base + first * pool.page_bytes, count * pool.page_bytes, pool.device_id))
+            local, remote = _descriptors(pool, page_ids, keys, values)
             handle = self._agent.initialize_xfer(
                 "READ",
                 self._agent.get_xfer_descs(local, "DRAM"),
                 self._agent.get_xfer_descs(remote, pool.mem_type),
-                pool.agent_name,
+                remote_name,
             )
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
@@ -115,13 +131,20 @@ class NixlReader:
             if handle is not None:
                 self._agent.release_xfer_handle(handle)
             self._agent.deregister_memory(registered)
+            self._agent.remove_remote_agent(remote_name)
         return keys, values
 
-    def forget(self, agent_name: str) -> None:
-        """A prefill worker restarted (its agent is another now): its old metadata goes."""
-        if agent_name in self._remotes:
-            self._remotes.discard(agent_name)
-            self._agent.remove_remote_agent(agent_name)
+
+def _descriptors(pool: PoolDescription, page_ids: list[int], keys: torch.Tensor, values: torch.Tensor):
+    """(local, remote) descriptors: one per run of consecutive page ids, per layer, K and V."""
+    local, remote = [], []
+    for layer, bases in enumerate(pool.regions):
+        for target, base in zip((keys, values), bases, strict=True):
+            start = target.data_ptr() + layer * len(page_ids) * pool.page_bytes
+            for first, count, slot in _runs(page_ids):
+                local.append((start + slot * pool.page_bytes, count * pool.page_bytes, 0))
+                remote.append((base + first * pool.page_bytes, count * pool.page_bytes, pool.device_id))
+    return local, remote
 
 
 def _runs(page_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -10,9 +10,12 @@ header says their dtype and shape, and the receiver checks the byte counts again
 
 With NIXL moving the bytes (nixl_transport.py) the same socket carries only the control:
 
-    decode -> prefill   [DescribePool]              once per prefill worker: -> [PoolDescription]
-    decode -> prefill   [LockPages]                 -> [PagesReply] (no frames): pinned until UnlockPages
+    decode -> prefill   [LockPages]                 -> [PoolDescription]: those pages pinned and registered with
+                                                       NIXL (they alone) until UnlockPages; or [PagesReply] refusing
     decode -> prefill   [UnlockPages]               after its READ: -> [PagesReply]; the lease is released
+
+Every request names its lease and carries the lease's token (leases.py): a request without the right one is
+refused, so only the decode worker the frontend handed the request to can read, pin or release the pages.
 """
 
 from __future__ import annotations
@@ -25,20 +28,21 @@ import torch
 
 class PullPages(msgspec.Struct, frozen=True, tag="pull", forbid_unknown_fields=True):
     lease_id: str  # KVTransferParams.remote_request_id
-    page_ids: list[int]  # the pages wanted, each one the lease holds (the decode worker's missing ones)
-
-
-class DescribePool(msgspec.Struct, frozen=True, tag="describe", forbid_unknown_fields=True):
-    pass
+    page_ids: list[int]  # the pages wanted, each one the lease holds, once (the decode worker's missing ones)
+    # KVTransferParams.remote_lease_token. A default so that a request without one still decodes, and is refused
+    # by name rather than dropped unanswered.
+    token: bytes = b""
 
 
 class LockPages(msgspec.Struct, frozen=True, tag="lock", forbid_unknown_fields=True):
     lease_id: str
     page_ids: list[int]
+    token: bytes = b""
 
 
 class UnlockPages(msgspec.Struct, frozen=True, tag="unlock", forbid_unknown_fields=True):
     lease_id: str
+    token: bytes = b""
 
 
 class PagesReply(msgspec.Struct, frozen=True, tag="pages", forbid_unknown_fields=True):
@@ -48,10 +52,11 @@ class PagesReply(msgspec.Struct, frozen=True, tag="pages", forbid_unknown_fields
 
 
 class PoolDescription(msgspec.Struct, frozen=True, tag="pool", forbid_unknown_fields=True):
-    """A prefill worker's KV pool as registered with NIXL: what a reader needs to address its pages."""
+    """A prefill worker's KV pool, for one lock: what a reader needs to address the locked pages, which alone are
+    registered with NIXL (and named in the metadata) while locked."""
 
     agent_name: str
-    agent_metadata: bytes  # NIXL's own serialisation of its agent (no pickle): add_remote_agent takes it
+    agent_metadata: bytes  # NIXL's own serialisation of its agent and those pages (no pickle): add_remote_agent
     regions: list[tuple[int, int]]  # per layer, the base address of its K and of its V tensor
     page_bytes: int  # one page of one layer's K (or V)
     device_id: int
@@ -60,7 +65,7 @@ class PoolDescription(msgspec.Struct, frozen=True, tag="pool", forbid_unknown_fi
     page_shape: list[int]  # [page_size, kv_heads, head_dim]
 
 
-ToKVServer = PullPages | DescribePool | LockPages | UnlockPages
+ToKVServer = PullPages | LockPages | UnlockPages
 FromKVServer = PagesReply | PoolDescription
 
 PULL_CODEC_ENCODER = msgspec.msgpack.Encoder()

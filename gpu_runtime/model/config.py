@@ -1,4 +1,5 @@
-"""Reads a Hugging Face config.json (and generation_config.json) into one frozen ModelConfig."""
+"""Reads a Hugging Face config.json (and generation_config.json) into one frozen ModelConfig: the fields every
+architecture reads alike here, then its own (its registry entry's adapt_config)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from gpu_runtime.model import registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +28,7 @@ class RopeConfig:
 class ModelConfig:
     """The shape of a Llama-family decoder, whatever architecture name its checkpoint carries."""
 
-    architecture: str
+    architecture: str  # its model registry entry's name
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -59,18 +56,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _architecture_of(raw: dict[str, Any]) -> str:
+def _architecture_of(raw: dict[str, Any]) -> registry.Architecture:
     names = raw.get("architectures") or []
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[name]
     model_type = raw.get("model_type")
-    if model_type in SUPPORTED_ARCHITECTURES.values():
-        return model_type
-    raise ValueError(
-        f"config.json: architectures={names!r} model_type={model_type!r} is not supported; "
-        f"tokend serves {sorted(SUPPORTED_ARCHITECTURES)}"
-    )
+    entry = registry.architecture_of(names, model_type)
+    if entry is None:
+        raise ValueError(
+            f"config.json: architectures={names!r} model_type={model_type!r} is not supported; "
+            f"tokend serves {registry.hf_class_names()}"
+        )
+    return entry
 
 
 def _rope_of(raw: dict[str, Any]) -> RopeConfig:
@@ -101,12 +96,11 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _max_model_len(raw: dict[str, Any], architecture: str) -> int:
+def _max_model_len(raw: dict[str, Any]) -> int:
     max_len = int(raw.get("max_position_embeddings", 2048))
-    # tokend has no sliding-window attention; capping the context at the window keeps outputs exact.
+    # The model attends over its whole context; capping the context at the window keeps outputs exact.
     window = raw.get("sliding_window")
-    uses_window = architecture == "mistral" or raw.get("use_sliding_window", False)
-    if uses_window and window:
+    if raw.get("use_sliding_window", False) and window:
         max_len = min(max_len, int(window))
     return max_len
 
@@ -132,9 +126,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ValueError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported (silu)")
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
-    qkv_bias = architecture == "qwen2" or bool(raw.get("attention_bias", False))
-    return ModelConfig(
-        architecture=architecture,
+    attention_bias = bool(raw.get("attention_bias", False))
+    config = ModelConfig(
+        architecture=architecture.name,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden_size,
         intermediate_size=int(raw["intermediate_size"]),
@@ -144,12 +138,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope=_rope_of(raw),
-        max_model_len=_max_model_len(raw, architecture),
+        max_model_len=_max_model_len(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        # Qwen2 has bias on q/k/v only; Llama's attention_bias also covers o_proj.
-        o_bias=architecture != "qwen2" and bool(raw.get("attention_bias", False)),
+        qkv_bias=attention_bias,  # Llama's attention_bias covers q/k/v and o_proj alike
+        o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=_eos_ids(raw, generation),
         bos_token_id=raw.get("bos_token_id"),
     )
+    return architecture.adapt_config(raw, config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_runtime.attention.backend import AttentionBackend
+from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
@@ -43,6 +43,8 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and holds_row_bias(tp))
+        self.options = LayerAttentionOptions.default(config.head_dim)  # every layer alike, as Llama's are
+        backend.check_options(self.options)
         self.backend = backend
         self.tp = tp
 
@@ -53,7 +55,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rotation)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(self.backend.forward(q, k, v, k_pages, v_pages, meta).flatten(1))
+        out = self.o_proj(self.backend.forward(q, k, v, k_pages, v_pages, meta, self.options).flatten(1))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -91,13 +93,15 @@ class LlamaForCausalLM(nn.Module):
     """The whole decoder; parameter names follow transformers, except the fused projections.
 
     With `tp`, this rank's shard of it: `config` stays the whole model's, `self.config` is the rank's view
-    (shard_config), and every rank must run every forward and compute_logits with the same inputs."""
+    (shard_config), and every rank must run every forward and compute_logits with the same inputs. Before each
+    forward the caller runs `attention_backend.plan` on the step's metadata (ModelRunner does)."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel | None = None
     ):
         super().__init__()
         self.tp = tp
+        self.attention_backend = backend
         if tp is not None:
             config = shard_config(config, tp)
         self.config = config
@@ -110,7 +114,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab if tp is None else tp.vocab_shard(vocab)[1], bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding table where the checkpoint says so (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(

@@ -1,11 +1,11 @@
-"""Builds a LlamaForCausalLM and fills it from a checkpoint's *.safetensors files (sharded or not); under tensor
-parallelism a rank's shard of it, reading only that shard of each tensor (tp_checkpoint.py)."""
+"""Builds the model class its architecture's registry entry names and fills it from a checkpoint's *.safetensors
+files (sharded or not), by the entry's weight-name map; under tensor parallelism a rank's shard of it, reading only
+that shard of each tensor (tp_checkpoint.py, by the entry's split table)."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,22 +13,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gpu_runtime.attention.backend import AttentionBackend
+from gpu_runtime.model import registry
 from gpu_runtime.model.config import ModelConfig
-from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.load_progress import LoadProgress
+from gpu_runtime.model.registry import Architecture, CausalLM, split_tensor_name
 from gpu_runtime.model.rope import RotaryEmbedding
 from gpu_runtime.model.tensor_parallel import TensorParallel
-from gpu_runtime.model.tp_checkpoint import CheckpointShards
-
-# transformers name fragment -> (our fused parameter, which shard of it)
-_FUSED_SHARDS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+from gpu_runtime.model.tp_checkpoint import CheckpointShards, SplitKind
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -78,7 +69,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     tp: TensorParallel | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Returns the model in eval mode on `device`, every parameter filled from the checkpoint (or, with
     load_format "dummy", drawn at random on the device: a model's shape without its weights, for benchmarks).
     With `tp`, this rank's shard of the model (`config` the whole model's), only that shard read from the files.
@@ -87,39 +78,39 @@ def load_model(
     initialised (or float32) copy is ever made, so loading peaks at about the weights' size (plus one
     checkpoint tensor while it is converted).
     """
+    entry = registry.architecture(config.architecture)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, dtype, tp).to(dtype)
+        model = entry.model_class(config, backend, dtype, tp).to(dtype)
     model.to_empty(device=device)
-    _finish_materialising(model, config)
+    _finish_materialising(model)
     if load_format == "dummy":
         return _fill_at_random(model).eval()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    shards = None if tp is None else CheckpointShards(config, tp)
+    shards = None if tp is None else CheckpointShards(config, tp, entry.tp_splits)
     for name, tensor in iterate_checkpoint(Path(model_dir), shards):
-        target = _copy_into(model, params, name, tensor)
+        target = _copy_into(entry, model, params, name, tensor)
         if target is not None:
             loaded.add(target)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies were queued without waiting; the model is whole only now
-    missing = _expected_pieces(params, model.config) - loaded
+    missing = _expected_pieces(entry, params, model.config) - loaded
     if missing:
         raise ValueError(f"model: checkpoint {model_dir} lacks weights for {sorted(missing)[:5]}")
     return model.eval()
 
 
-def _finish_materialising(model: LlamaForCausalLM, config: ModelConfig) -> None:
+def _finish_materialising(model: CausalLM) -> None:
     """What `to_empty` leaves undone: it gives each module its own tensor, untying lm_head from the embeddings,
     and the rotary tables (not in any checkpoint) are only empty memory."""
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.compute_tables()
 
 
 @torch.no_grad()
-def _fill_at_random(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _fill_at_random(model: CausalLM) -> CausalLM:
     """Weights as a freshly initialised Llama's (normal, std 0.02; norms 1), drawn where they lie."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -129,57 +120,46 @@ def _fill_at_random(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
-def _expected_pieces(params: dict, config: ModelConfig) -> set[str]:
-    """Every piece the checkpoint must supply: a parameter's name, or `name[shard]` for fused ones."""
+def _expected_pieces(entry: Architecture, params: dict, config: ModelConfig) -> set[str]:
+    """Every piece the checkpoint must supply: a parameter's name, or `name[piece]` for fused ones."""
     pieces = set()
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        num_shards = 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 0
-        pieces.update([f"{name}[{shard}]" for shard in range(num_shards)] if num_shards else [name])
+        layer, module, _ = split_tensor_name(f"model.{name}")  # a parameter's name is its tensor's, less "model."
+        fused = entry.fused_parameter(module) if layer is not None else None
+        pieces.update([f"{name}[{piece}]" for piece in range(len(fused.pieces))] if fused else [name])
     return pieces
 
 
-def _copy_into(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
+def _copy_into(entry: Architecture, model: CausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
     """Copies one checkpoint tensor into its (possibly fused) parameter; returns the piece it filled."""
-    if name.endswith("rotary_emb.inv_freq"):
+    layer, module, kind = split_tensor_name(name)
+    split = entry.tp_splits.get(module)
+    if split is not None and split.kind is SplitKind.NOT_LOADED:
         return None  # recomputed from config.json
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return None
-    match = _LAYER_NAME.match(name)
-    if match is None:
+    if layer is None:
         target = name.removeprefix("model.")
         _checked_copy(params, target, tensor, name)
         return target
-    layer, module, kind = match.groups()
-    if module not in _FUSED_SHARDS:
+    fused_piece = entry.fused_piece(module)
+    if fused_piece is None:
         target = f"layers.{layer}.{module}.{kind}"
         _checked_copy(params, target, tensor, name)
         return target
-    fused, shard = _FUSED_SHARDS[module]
-    target = f"layers.{layer}.{fused}.{kind}"
-    offset = _shard_offset(model.config, fused, shard)
+    fused, piece = fused_piece
+    target = f"layers.{layer}.{fused.name}.{kind}"
     if target not in params:
         raise ValueError(f"model: unexpected checkpoint tensor {name!r}")
-    expected = (_shard_rows(model.config, fused, shard), *params[target].shape[1:])
+    rows = fused.rows(model.config)
+    offset = sum(rows[:piece])
+    expected = (rows[piece], *params[target].shape[1:])
     if tuple(tensor.shape) != expected:
         raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
     _copy(params[target].data[offset : offset + tensor.shape[0]], tensor)
-    return f"{target}[{shard}]"
-
-
-def _shard_rows(config: ModelConfig, fused: str, shard: int) -> int:
-    if fused.endswith("gate_up_proj"):
-        return config.intermediate_size
-    return (config.num_heads if shard == 0 else config.num_kv_heads) * config.head_dim
-
-
-def _shard_offset(config: ModelConfig, fused: str, shard: int) -> int:
-    if fused.endswith("gate_up_proj"):
-        return shard * config.intermediate_size
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    return (0, q_size, q_size + kv_size)[shard]
+    return f"{target}[{piece}]"
 
 
 def _checked_copy(params: dict, target: str, tensor: torch.Tensor, source: str) -> None:

@@ -4,52 +4,83 @@ safetensors' `get_slice` reads the rows (or columns) asked for and nothing else,
 weight matrix: a rank's load peaks at its shard of the model plus one shard of one tensor. The split is
 tensor_parallel.py's: column-parallel projections by rows, row-parallel ones by columns (their bias whole, on rank
 0 alone), the embedding and lm_head by vocabulary rows (padded with zero rows to ceil(V / N)), norms whole.
+
+Each architecture lists every one of its checkpoint modules in its split table (the model registry's tp_splits),
+the replicated ones too: a tensor the table does not name is an error naming it, never replicated by default (an
+expert's weights quietly copied to every rank would be wrong and waste memory).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.registry import split_tensor_name
 from gpu_runtime.model.tensor_parallel import TensorParallel, holds_row_bias
 
-_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+class SplitKind(enum.Enum):
+    COLUMN = "column"  # dimension 0 (output features) split: each rank its own heads or intermediate columns
+    ROW = "row"  # dimension 1 (input features) split; the bias whole, on rank 0 alone
+    VOCAB = "vocab"  # rows split by vocabulary id, padded to ceil(V / N) rows per rank
+    REPLICATED = "replicated"  # whole on every rank: the norms
+    NOT_LOADED = "not_loaded"  # in some checkpoints but no weight (rotary inv_freq: recomputed from config.json)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSplit:
+    kind: SplitKind
+    length: Callable[[ModelConfig], int] | None = None  # COLUMN and ROW: the split dimension's whole length
+
+
+def column_parallel(length: Callable[[ModelConfig], int]) -> TensorSplit:
+    return TensorSplit(SplitKind.COLUMN, length)
+
+
+def row_parallel(length: Callable[[ModelConfig], int]) -> TensorSplit:
+    return TensorSplit(SplitKind.ROW, length)
+
+
+VOCAB_PARALLEL = TensorSplit(SplitKind.VOCAB)
+REPLICATED = TensorSplit(SplitKind.REPLICATED)
+NOT_LOADED = TensorSplit(SplitKind.NOT_LOADED)
 
 
 class CheckpointShards:
-    """Reads this rank's part of each checkpoint tensor (the whole model's config, the rank's place)."""
+    """Reads this rank's part of each checkpoint tensor (the whole model's config, the rank's place, and the
+    architecture's split table)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
-        q_rows = config.num_heads * config.head_dim
-        kv_rows = config.num_kv_heads * config.head_dim
-        width = config.intermediate_size
-        # checkpoint module -> (dimension split over the ranks, its length in the whole tensor)
-        self.splits = {
-            "self_attn.q_proj": (0, q_rows),
-            "self_attn.k_proj": (0, kv_rows),
-            "self_attn.v_proj": (0, kv_rows),
-            "mlp.gate_proj": (0, width),
-            "mlp.up_proj": (0, width),
-            "self_attn.o_proj": (1, q_rows),
-            "mlp.down_proj": (1, width),
-        }
+    def __init__(self, config: ModelConfig, tp: TensorParallel, splits: Mapping[str, TensorSplit]):
         self.config = config
         self.tp = tp
+        self.splits = splits
 
     def read(self, name: str, part) -> torch.Tensor | None:
         """This rank's part of the tensor `name` (`part`: safe_open's get_slice of it), or None where the rank
-        holds none of it. Raises ValueError naming the tensor when its length along the split does not match the
-        config (the loader checks the other dimensions against the rank's parameter)."""
+        holds none of it. Raises ValueError naming the tensor when the split table has no entry for it, or when
+        its length along the split does not match the config (the loader checks the other dimensions against the
+        rank's parameter)."""
         shape = tuple(part.get_shape())
+        _, module, kind = split_tensor_name(name)
+        split = self.splits.get(module)
+        if split is None:
+            raise ValueError(
+                f"model: checkpoint tensor {name!r} is not in {self.config.architecture}'s tensor-parallel split "
+                f"table (its module {module!r}): tokend cannot tell how to split it over {self.tp.world_size} ranks"
+            )
+        if split.kind is SplitKind.NOT_LOADED:
+            return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # the loader ignores it: lm_head is the embedding
-        if name in _VOCAB_PARALLEL:
+        if split.kind is SplitKind.REPLICATED:
+            return part[:]
+        if split.kind is SplitKind.VOCAB:
             return self._vocab_rows(name, part, shape)
-        module, _, kind = name.rpartition(".")
-        split = self.splits.get(".".join(module.split(".")[-2:]))
-        if split is None:
-            return part[:]  # replicated on every rank: the norms
-        dim, length = split
+        dim, length = (0 if split.kind is SplitKind.COLUMN else 1), split.length(self.config)
         if dim == 1 and kind == "bias":  # a row-parallel bias: added once, by rank 0
             return part[:] if holds_row_bias(self.tp) else None
         if len(shape) <= dim or shape[dim] != length:

@@ -2,7 +2,8 @@
 
 The ranks meet through a file in a private directory (torch.distributed's FileStore: no TCP store to expose).
 Gloo's and NCCL's own connections between the ranks stay on the loopback interface unless the operator says
-otherwise (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): a group is one host's processes.
+otherwise (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): a group is one host's processes. Those listeners accept any
+local user, so before anything else crosses them every rank proves it holds the group's secret (group_auth.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.ipc.peer_auth import PeerAuth
 from gpu_runtime.model.tensor_parallel import TensorParallel
+from gpu_runtime.tp.group_auth import prove_group
 from gpu_runtime.tp.step_channel import StepChannel
 
 # The default group's timeout: the step channel runs on it, and the other ranks wait there for as long as the engine
@@ -30,6 +33,7 @@ class RankSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     rank: int
     world_size: int
     rendezvous: str  # the FileStore's file, in rank 0's private directory
+    secret_path: str  # the group's secret (0600, beside the rendezvous): the path, never the secret (argv is public)
     engine: EngineConfig  # rank 0's, with its attention backend and dtype resolved: every rank builds the same
     model_dir: str
     device: str  # this rank's own: "cpu", or its GPU among the group's ("cuda:1")
@@ -53,9 +57,11 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def join_group(
-    rank: int, world_size: int, rendezvous: str, device: torch.device, collective_timeout_s: float
+    rank: int, world_size: int, rendezvous: str, device: torch.device, collective_timeout_s: float, auth: PeerAuth
 ) -> tuple[TensorParallel, StepChannel]:
-    """Joins the group (blocks until every rank has); returns this rank's place in it and the step channel.
+    """Joins the group (blocks until every rank has), and proves, over each of its connections' groups, that every
+    member holds the group's secret (`auth`: GroupRefused otherwise); returns this rank's place in it and the step
+    channel, which signs every command.
 
     Two process groups: the default one (gloo, no practical timeout) carries the step channel and the start-up
     agreements; the model's collectives run on their own (NCCL on CUDA, gloo on a CPU), which time out after
@@ -72,7 +78,10 @@ def join_group(
     )
     timeout = timedelta(seconds=collective_timeout_s)
     model_group = dist.new_group(backend="nccl" if cuda else "gloo", timeout=timeout)
-    return TensorParallel(rank, world_size, model_group), StepChannel()
+    # Both groups, each with its own connections: the plans go on the default one, the activations on the other.
+    prove_group(dist.group.WORLD, rank, world_size, auth, torch.device("cpu"))
+    prove_group(model_group, rank, world_size, auth, device)
+    return TensorParallel(rank, world_size, model_group), StepChannel(auth)
 
 
 def started_marker(rendezvous: str, rank: int) -> Path:

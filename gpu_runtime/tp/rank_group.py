@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.ipc.peer_auth import PeerAuth, read_secret, write_secret
 from gpu_runtime.tp.group import RankSpec, join_group, leave_group, rank_device, started_marker
 from gpu_runtime.tp.step_channel import Stop
 
@@ -58,11 +59,15 @@ class RankGroup:
         self._closed = False
         rendezvous = str(self._directory / "rendezvous")
         try:
+            # The group's own secret, minted here: only this process and its children can read the directory.
+            secret_path = write_secret(self._directory)
+            auth = PeerAuth(read_secret(secret_path))
             for rank in range(1, self.world_size):
                 spec = RankSpec(
                     rank=rank,
                     world_size=self.world_size,
                     rendezvous=rendezvous,
+                    secret_path=str(secret_path),
                     engine=config,
                     model_dir=str(model_dir),
                     device=str(rank_device(device, rank)),
@@ -73,9 +78,10 @@ class RankGroup:
                 command = [sys.executable, "-m", "gpu_runtime.tp.rank_main", spec.to_json()]
                 self._processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
             self._wait_until_started(rendezvous)
-            self.tp, self.channel = join_group(0, self.world_size, rendezvous, device, collective_timeout_s)
-        except BaseException:
+            self.tp, self.channel = join_group(0, self.world_size, rendezvous, device, collective_timeout_s, auth)
+        except BaseException:  # a rank that exited, or one that could not prove it holds the secret (GroupRefused)
             self._kill()
+            leave_group()
             torch.set_num_threads(self._threads_before)
             raise
 

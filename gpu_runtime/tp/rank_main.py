@@ -9,6 +9,7 @@ import sys
 
 from common.child_process import become_child
 from common.logs import configure_logging
+from gpu_runtime.ipc.peer_auth import PeerAuth, read_secret
 from gpu_runtime.tp.group import RankSpec
 
 _EXIT_FAILED = 1
@@ -19,6 +20,11 @@ def main(argv: list[str]) -> int:
     model = spec.engine.served_model_name or spec.engine.model or "default model"
     become_child(f"tokend: rank {spec.rank}/{spec.world_size} {model}", death_signal=signal.SIGKILL)
     log = configure_logging("tp_rank", spec.log_level).bind(rank=spec.rank, world_size=spec.world_size)
+    try:
+        auth = PeerAuth(read_secret(spec.secret_path))
+    except (OSError, ValueError) as error:
+        log.error("rank_secret_unreadable", error=str(error))
+        return _EXIT_FAILED
 
     import torch
 
@@ -28,6 +34,7 @@ def main(argv: list[str]) -> int:
     from gpu_runtime.model.config import load_capped_model_config
     from gpu_runtime.model_runner import ModelRunner
     from gpu_runtime.tp.group import join_group, leave_group, started_marker
+    from gpu_runtime.tp.group_auth import GroupRefused
     from gpu_runtime.tp.step_channel import Stop
 
     started_marker(spec.rendezvous, spec.rank).touch()  # rank 0 waits for this before it joins
@@ -35,7 +42,12 @@ def main(argv: list[str]) -> int:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp, channel = join_group(spec.rank, spec.world_size, spec.rendezvous, device, spec.collective_timeout_s)
+    try:
+        tp, channel = join_group(spec.rank, spec.world_size, spec.rendezvous, device, spec.collective_timeout_s, auth)
+    except GroupRefused as error:  # rank 0 refuses too: the group does not start
+        log.error("rank_group_refused", error=str(error))
+        leave_group()
+        return _EXIT_FAILED
     try:
         config = spec.engine
         model_config = load_capped_model_config(spec.model_dir, config.max_model_len)

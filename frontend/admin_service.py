@@ -117,7 +117,7 @@ class AdminService(pb_grpc.AdminServicer):
             worker_id=state.address.worker_id,
             state=str(state.worker_state),
             generation=state.generation,
-            role=state.role if state.is_ready else state.last_role,
+            role=str(state.role),
             epoch=state.epoch,
             num_used_pages=report.num_used_pages if report else 0,
             num_pages=report.num_pages if report else 0,

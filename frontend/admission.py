@@ -158,7 +158,7 @@ class AdmissionController:
             self._remove(ticket)
             self._in_flight[name] -= 1
             if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
-                ticket.future.result().reserved -= 1  # dispatched, but its caller went away before sending it
+                ticket.future.result().unreserve()  # dispatched, but its caller went away before sending it
                 self._pool(model).in_flight[priority] -= 1
             raise
 
@@ -268,7 +268,7 @@ class AdmissionController:
                     pool.dispatches.append(time.monotonic())
                     pool.in_flight[priority] += 1
                     self._metrics.admission_admitted.labels(priority.label).inc()
-                    scheduler.reserved += 1
+                    scheduler.reserve()  # the caller's until it sends the request there (or holds it for a handover)
                     ticket.future.set_result(scheduler)
         self._update_depth()
 
@@ -302,9 +302,8 @@ class AdmissionController:
 
     def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
         limit = self._slot_limit(ticket.priority)
-        routed = self._link.routed_schedulers(ticket.model, ticket.route_draw)
-        ready = [s for s in routed if len(s.requests) + s.reserved < limit(s)]
-        return min(ready, key=lambda s: s.routing_key, default=None)
+        has_room = lambda s: s.outstanding < limit(s)  # noqa: E731
+        return self._link.workers.pick(ticket.model, draw=ticket.route_draw, has_room=has_room)
 
     def _slot_limit(self, priority: Priority):
         if priority == Priority.INTERACTIVE:

@@ -17,7 +17,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from frontend.control_messages import WorkerState
+from common.lanes import WorkerState
 from frontend.errors import RequestError
 from frontend.grpc_reflection import SERVICE_NAMES as REFLECTION_SERVICE_NAMES
 from frontend.scheduler_link import SchedulerLink, SchedulerState
@@ -52,7 +52,8 @@ class Lifecycle:
     def is_serving(self) -> bool:
         """Every worker that should be serving takes new requests, and every model can take requests. Live is not
         enough: a worker answers ready a moment before the daemon counts it serving, and a request in that moment
-        passes it over (a prefill worker's prompt would be computed on the decode worker)."""
+        passes it over (a prefill worker's prompt would be computed on the decode worker). The daemon's worker set
+        is the one readiness source (frontend.worker_view)."""
         if self.draining:
             return False
         models = dict.fromkeys(s.address.model_name for s in self._link.schedulers)

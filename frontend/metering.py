@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from dataclasses import dataclass
 
 from frontend.metrics import FrontendMetrics
 from frontend.usage_ledger import UsageLedger, UsageRecord
@@ -13,6 +14,15 @@ from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import RequestDelta
 
 CHECKPOINT_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """What a request cost so far, as its schedulers counted it, summed over the workers it ran on."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
 
 
 def status_of(finish_reason: FinishReason) -> str:
@@ -52,11 +62,11 @@ class Meter:
         self._ledger.checkpoint([record])
         return record
 
-    def progress(self, record: UsageRecord, latest: RequestDelta | None) -> None:
-        """The scheduler's latest cumulative counts (None: it has said nothing yet) become the record's."""
-        if latest is not None:
-            record.prompt_tokens, record.completion_tokens = latest.num_prompt_tokens, latest.num_output_tokens
-            record.cached_tokens = latest.num_cached_tokens
+    def progress(self, record: UsageRecord, counts: TokenCounts | None) -> None:
+        """The schedulers' latest cumulative counts (None: they have said nothing yet) become the record's."""
+        if counts is not None:
+            record.prompt_tokens, record.completion_tokens = counts.prompt_tokens, counts.completion_tokens
+            record.cached_tokens = counts.cached_tokens
         record.updated_at = time.time()
 
     async def record_shed(
@@ -67,14 +77,14 @@ class Meter:
         await self.close(record, "shed", None, None)
 
     async def close(
-        self, record: UsageRecord, status: str, finish_reason: FinishReason | None, latest: RequestDelta | None
+        self, record: UsageRecord, status: str, finish_reason: FinishReason | None, counts: TokenCounts | None
     ) -> None:
         """Commits the final row (once) and counts it in the metrics with the very same numbers.
 
-        `finish_reason` is None for a request that never ran (shed); `latest` is its scheduler's last delta."""
+        `finish_reason` is None for a request that never ran (shed); `counts` are its schedulers' final ones."""
         if record.status != "running":
             return
-        self.progress(record, latest)
+        self.progress(record, counts)
         record.status, record.finished_at = status, record.updated_at
         self._running.pop(record.record_id, None)
         await self._ledger.commit(record)

@@ -1,10 +1,12 @@
-"""A stream moved to another worker mid-request: a rollout's drain timeout with on_drain_timeout = "migrate", or a
-disaggregated request's handover from its prefill worker (after the first token) to its decode worker.
+"""A request that goes on on another worker: what that worker is sent, and its counts translated back to the request's.
 
-The new worker gets the prompt plus every token generated so far as its prompt, and the tokens still allowed as
-its max_tokens; greedy decoding goes on as if nothing happened (on the new worker's weights). Its deltas count from
-its own start, so they are translated back to the request's own: the client and the ledger see the original
-prompt's size, and every token generated on any worker as completion tokens, never the recomputed prefix.
+Two moves continue a request elsewhere: a disaggregated request's handover from its prefill worker (after the
+first token) to its decode worker, and a migration off a worker retired mid-stream (a rollout's drain timeout with
+on_drain_timeout migrate). Either way the next worker gets the prompt plus every token generated so far as its
+prompt, and the tokens still allowed as its max_tokens; greedy decoding goes on as if nothing happened (on that
+worker's weights). Its deltas count from its own start, so they are translated back to the request's own: the
+client and the ledger see the original prompt's size, and every token generated on any worker as completion
+tokens, never the recomputed prefix.
 """
 
 from __future__ import annotations
@@ -13,56 +15,46 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from frontend.metering import TokenCounts
 from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
 
 
 @dataclass(eq=False)
-class Migration:
-    original: AddRequest
-    generations: list[str]  # the weights that produced its tokens, in order (one unless it moved)
+class Carryover:
+    original: AddRequest  # the request as the client asked for it (all its max_tokens)
     generated: list[int] = field(default_factory=list)  # every token so far, on any worker
-    carried: int = 0  # tokens generated before the latest move
-    prompt_tokens: int = 0  # as the first worker counted them
-    cached_tokens: int = 0
+    carried: int = 0  # tokens generated before the current worker took over
     hops: int = 0  # moves so far, handovers included
-    migrated: bool = False  # moved for a retiring worker (the final chunk says so); a handover is not that
-    disaggregated: bool = False  # it started on a prefill worker: its first move is the handover
+    first: TokenCounts | None = None  # the first worker's latest counts: the prompt's size and cache hits
 
-    @property
-    def moved(self) -> bool:
-        return len(self.generations) > 1
-
-    def counted(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """The deltas with counts of the original request (and its tokens noted, for a later move)."""
+    def count(self, deltas: list[RequestDelta]) -> TokenCounts | None:
+        """The request's counts after these deltas of its current worker (None: no worker said any yet)."""
         for delta in deltas:
             self.generated.extend(delta.new_token_ids)
+        if not deltas:
+            return self.counts_so_far()
+        last = deltas[-1]
         if not self.hops:
-            self.prompt_tokens, self.cached_tokens = deltas[-1].num_prompt_tokens, deltas[-1].num_cached_tokens
-            return deltas
-        return [
-            msgspec.structs.replace(
-                delta,
-                num_prompt_tokens=self.prompt_tokens,
-                num_output_tokens=self.carried + delta.num_output_tokens,
-                num_cached_tokens=self.cached_tokens,
-            )
-            for delta in deltas
-        ]
+            self.first = TokenCounts(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+            return self.first
+        first = self.first or TokenCounts()  # set by the first worker's final delta, which came before any move
+        return TokenCounts(first.prompt_tokens, self.carried + last.num_output_tokens, first.cached_tokens)
+
+    def counts_so_far(self) -> TokenCounts | None:
+        """What the request cost up to the latest move, before its current worker said anything."""
+        if self.first is None:
+            return None
+        return TokenCounts(self.first.prompt_tokens, self.carried, self.first.cached_tokens)
 
     @property
     def tokens_left(self) -> int:
         return self.original.sampling.max_tokens - len(self.generated)
 
-    def continuation(self, generation: str, kv_transfer_params: KVTransferParams | None = None) -> AddRequest:
-        """The request that goes on, on a worker serving `generation`: a migration, or with `kv_transfer_params` (or
-        None for a prompt that filled no page) a handover from the prefill worker whose pages those are."""
-        handover = not self.hops and self.disaggregated
+    def continuation(self, kv_transfer_params: KVTransferParams | None = None) -> AddRequest:
+        """The request that goes on on the next worker: with `kv_transfer_params`, a handover's decode part, which
+        pulls the prompt's pages from the prefill worker that holds them."""
         self.carried = len(self.generated)
         self.hops += 1
-        if not handover:
-            self.migrated = True
-        if generation != self.generations[-1] or not handover:
-            self.generations.append(generation)
         sampling = msgspec.structs.replace(self.original.sampling, max_tokens=self.tokens_left)
         prompt = [*self.original.prompt_token_ids, *self.generated]
         return msgspec.structs.replace(self.original, prompt_token_ids=prompt, sampling=sampling,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from frontend.metering import TokenCounts
 from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import RequestDelta
@@ -10,7 +11,8 @@ from tokend.v1 import tokend_pb2 as pb
 
 
 class ChunkBuilder:
-    """Detokenizes incrementally, cuts at stop strings, and keeps the scheduler's latest counts (`last_delta`)."""
+    """Detokenizes incrementally and cuts at stop strings. Which delta ends the request, and what it cost so far,
+    is its session's to say (a worker's final delta may hand the request on to the next worker)."""
 
     def __init__(self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str]):
         self.request_id = request_id
@@ -18,7 +20,6 @@ class ChunkBuilder:
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer.backend)
         self._stop = StopStringMatcher(stop)
-        self.last_delta: RequestDelta | None = None  # its counts are what the request cost so far
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -29,11 +30,13 @@ class ChunkBuilder:
     def stopped_by_string(self) -> bool:
         return self._stop.matched is not None
 
-    def build(self, deltas: list[RequestDelta]) -> pb.GenerateResponse:
-        self.last_delta = last = deltas[-1]
+    def build(
+        self, deltas: list[RequestDelta], counts: TokenCounts, finish_reason: FinishReason | None
+    ) -> pb.GenerateResponse:
+        """The chunk of these deltas: `counts` is the request's cost so far, `finish_reason` set when they end
+        the request (a stop string found here ends it too)."""
         token_ids = [token for delta in deltas for token in delta.new_token_ids]
         text = self._stop.push(self._detokenizer.push(token_ids))
-        finish_reason = last.finish_reason
         if finish_reason is not None and self._stop.matched is None:
             text += self._stop.push(self._detokenizer.finish())
             text += self._stop.flush()
@@ -41,9 +44,9 @@ class ChunkBuilder:
             finish_reason = FinishReason.STOP
         self.finish_reason = finish_reason
         usage = pb.Usage(
-            prompt_tokens=last.num_prompt_tokens,
-            completion_tokens=last.num_output_tokens,
-            cached_tokens=last.num_cached_tokens,
+            prompt_tokens=counts.prompt_tokens,
+            completion_tokens=counts.completion_tokens,
+            cached_tokens=counts.cached_tokens,
         )
         return pb.GenerateResponse(
             request_id=self.request_id,

@@ -66,7 +66,10 @@ async def serve(spec: FrontendSpec, log) -> None:
 
     server = grpc.aio.server(
         # The funnel outermost: it also answers what goes wrong in authentication, and decodes for everyone.
-        interceptors=[ErrorInterceptor(log), AuthInterceptor(authenticator)],
+        interceptors=[
+            ErrorInterceptor(log),
+            AuthInterceptor(authenticator, spec.admin_token_sha256, spec.admin_token_path),
+        ],
         options=[
             ("grpc.max_receive_message_length", spec.max_request_bytes),
             ("grpc.so_reuseport", 0),  # a second server on our port must fail, not share it

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from frontend.control_messages import DrainTimeoutAction, RolloutStatus, WorkerSet
-
-_ROLLING = ("rolling", "rolling-back")
+from common.lanes import DrainAction, RolloutPhase
+from frontend.control_messages import RolloutStatus, WorkerSet
 
 
 class _Routable(Protocol):
@@ -27,17 +26,21 @@ class WorkerSetView:
         self.version = -1  # none received yet: the spec's schedulers are the whole set
         self.rollouts: dict[str, RolloutStatus] = {}
         self.drain_timeout_s = 600.0
-        self.on_drain_timeout = str(DrainTimeoutAction.ABORT)
+        self.on_drain_timeout = DrainAction.ABORT
 
     def update(self, message: WorkerSet) -> None:
         self.version = message.version
         self.rollouts = {status.model_name: status for status in message.rollouts}
         self.drain_timeout_s = message.drain_timeout_s
-        self.on_drain_timeout = str(message.on_drain_timeout)
+        self.on_drain_timeout = DrainAction(message.on_drain_timeout)
 
     def is_rolling(self, model_name: str) -> bool:
+        """Workers of the model are being replaced (a canary that holds is not: nothing moves)."""
+        return self._phase(model_name).in_progress
+
+    def _phase(self, model_name: str) -> RolloutPhase:
         status = self.rollouts.get(model_name)
-        return status is not None and status.phase in _ROLLING
+        return RolloutPhase.NONE if status is None else RolloutPhase(status.phase)
 
     def route(self, model_name: str, candidates: list[Routable], draw: float) -> list[Routable]:
         """The candidates a request may go to; `draw` in [0, 1) is the request's own, so a canary's split holds
@@ -45,7 +48,7 @@ class WorkerSetView:
         if not candidates:
             return candidates
         status = self.rollouts.get(model_name)
-        if status is not None and status.phase == "canary":
+        if status is not None and RolloutPhase(status.phase) is RolloutPhase.CANARY:
             canary = [c for c in candidates if c.epoch == status.epoch]
             others = [c for c in candidates if c.epoch != status.epoch]
             if canary and others:

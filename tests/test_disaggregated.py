@@ -74,10 +74,8 @@ def test_a_pull_that_fails_is_recomputed_or_fails_as_configured(on_failure, outc
             assert (
                 failed.value.code() == outcome and "could not be moved to the decode worker" in failed.value.details()
             )
-        # The worker's log line travels through the daemon to its log, maybe after the client heard the failure.
-        daemon.wait_for(lambda: daemon.log_entries("kv_pull_failed"), timeout=10)
-        assert daemon.log_entries("kv_pull_failed")[0]["action"] == on_failure
-        daemon.wait_for(lambda: daemon.metric("tokend:kv_transfer_failures_total") >= 1, timeout=5)
+        # The outcome above is the action kv_load_failure names; the failure is counted from the next load report.
+        daemon.wait_for(lambda: daemon.metric("tokend:kv_transfer_failures_total") >= 1, timeout=10)
 
 
 def _loads(daemon: Daemon) -> dict[str, pb.SchedulerLoad]:
@@ -257,7 +255,7 @@ def test_a_killed_prefill_worker_ends_its_streams_unavailable_and_is_replaced():
         [prefill_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 0")
         os.kill(prefill_pid, signal.SIGSTOP)
         call = daemon.generation.Generate(_request(_prompts(1, 16, 300)[0], max_tokens=8), timeout=120)
-        daemon.wait_for(lambda: daemon.log_entries("request_admitted"), timeout=10)
+        call.initial_metadata()  # the frontend sends its headers once the request went to its (prefill) worker
         os.kill(prefill_pid, signal.SIGKILL)
         with pytest.raises(grpc.RpcError) as ended:
             list(call)

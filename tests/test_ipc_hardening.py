@@ -26,6 +26,7 @@ from gpu_runtime.ipc.messages import (
     MAX_MESSAGE_BYTES,
     AddRequest,
     FrontendHello,
+    KVTransferParams,
     LoadReport,
     RequestDelta,
     SchedulerReady,
@@ -33,7 +34,15 @@ from gpu_runtime.ipc.messages import (
     frontend_codec,
     scheduler_codec,
 )
-from gpu_runtime.ipc.peer_auth import SECRET_FILE, PeerAuth, read_secret, write_secret
+from gpu_runtime.ipc.peer_auth import (
+    SECRET_FILE,
+    TO_FRONTEND,
+    TO_SCHEDULER,
+    PeerAuth,
+    Session,
+    read_secret,
+    write_secret,
+)
 from gpu_runtime.worker.io_threads import FrontendDisconnected, InputReader
 from gpu_runtime.worker.scheduler_loop import SchedulerLoop
 from gpu_runtime.worker.spec import WorkerSpec
@@ -64,6 +73,12 @@ class RecordingLog:
 
     def __getattr__(self, level: str):
         return lambda event, **fields: self.records.append((level, event, fields))
+
+
+def sealed(codec, session: Session, message) -> list[bytes]:
+    """The frames a sender on `session` sends `message` as: the message, then its seal."""
+    data = codec.encode(message)
+    return [data, session.send.seal(data)]
 
 
 def wait_until(predicate, timeout: float = 10.0):
@@ -107,10 +122,11 @@ def test_the_input_reader_drops_deep_oversize_and_forged_messages_and_keeps_read
     auth = PeerAuth(read_secret(write_secret(tmp_path)))
     address = f"ipc://{tmp_path}/in.ipc"
     context, log, inbox = zmq.Context(), RecordingLog(), queue.Queue()
-    reader = InputReader(context, address, inbox, auth, log)
+    reader = InputReader(context, address, inbox, auth, log, worker_id="m/0", incarnation="i1")
     reader.start()
     codec = scheduler_codec()
-    genuine = FrontendHello("f1", auth.hello_proof("f1"))
+    genuine = FrontendHello("f1", auth.hello_proof("f1", b"n1"), b"n1")
+    frontend_end = auth.session("f1", b"n1", "m/0", "i1", receives=TO_FRONTEND)
     add = AddRequest("r1", [1, 2], SamplingParams(max_tokens=2), Priority.INTERACTIVE)
     try:
         oversize = context.socket(zmq.PUSH)  # zmq drops this sender's connection, and only this one's
@@ -119,10 +135,10 @@ def test_the_input_reader_drops_deep_oversize_and_forged_messages_and_keeps_read
         push = context.socket(zmq.PUSH)
         push.connect(address)
         push.send(deep_before_tag("add"))
-        push.send(codec.encode(FrontendHello("f2", b"\x00" * 32)))
-        push.send(codec.encode(FrontendHello("f1", auth.hello_proof("f2"))))  # another frontend's proof
+        push.send(codec.encode(FrontendHello("f2", b"\x00" * 32, b"n2")))
+        push.send(codec.encode(FrontendHello("f1", auth.hello_proof("f2", b"n1"), b"n1")))  # another frontend's proof
         push.send(codec.encode(genuine))
-        push.send(codec.encode(add))
+        push.send_multipart(sealed(codec, frontend_end, add))
         received = [inbox.get(timeout=10), inbox.get(timeout=10)]
     finally:
         reader.stop()
@@ -242,6 +258,12 @@ def test_the_frontend_receiver_drops_what_it_cannot_trust_and_keeps_receiving(tm
                         schedulers=[SchedulerAddress("m/0", "m", "0", f"ipc://{tmp_path}/in.ipc")], default_model="m",
                         secret_path=str(tmp_path / "peer-secret"))  # fmt: skip
     log, changes, orphans = RecordingLog(), [], []
+    codec = frontend_codec()
+
+    sessions: dict[str, Session] = {}  # the scheduler's end of each incarnation's session
+
+    def send_sealed(socket, message):
+        return socket.send_multipart(sealed(codec, sessions[message.incarnation], message))
 
     def ready(incarnation: str, proof: bytes | None = None) -> SchedulerReady:
         proof = auth.ready_proof("m/0", incarnation) if proof is None else proof
@@ -259,22 +281,24 @@ def test_the_frontend_receiver_drops_what_it_cannot_trust_and_keeps_receiving(tm
         await link.start()
         out = context.socket(zmq.PUSH)
         out.connect(spec.output_address)
-        codec = frontend_codec()
         try:
             hello = scheduler_codec().decode(await scheduler_in.recv())
-            assert auth.hello_is_genuine(hello.frontend_id, hello.proof)
+            assert auth.hello_is_genuine(hello.frontend_id, hello.proof, hello.nonce)
+            for incarnation in ("i1", "stale"):
+                sessions[incarnation] = auth.session(hello.frontend_id, hello.nonce, "m/0", incarnation,
+                                                     receives=TO_SCHEDULER)  # fmt: skip
             await out.send(deep_before_tag("ready"))
             await out.send(codec.encode(ready("forged", proof=b"\x00" * 32)))
             await out.send(codec.encode(ready("i1")))
             await async_wait_until(lambda: link.ready_schedulers("m"))
             (state,) = link.schedulers
-            await out.send(codec.encode(report("stale")))
+            await send_sealed(out, report("stale"))
             link.on_load = lambda state, report: 1 / 0  # a failure while handling a message
-            await out.send(codec.encode(report("i1")))
+            await send_sealed(out, report("i1"))
             await async_wait_until(lambda: log.events("message_failed"))
             final = RequestDelta("of-a-dead-frontend", [], None, FinishReason.ABORT, 5, 7, 0)
-            await out.send(codec.encode(StepOutputs("m/0", "stale", [final])))  # not from the ready incarnation
-            await out.send(codec.encode(StepOutputs("m/0", "i1", [final])))
+            await send_sealed(out, StepOutputs("m/0", "stale", [final]))  # not from the ready incarnation
+            await send_sealed(out, StepOutputs("m/0", "i1", [final]))
             await async_wait_until(lambda: orphans)
             return state
         finally:
@@ -300,9 +324,14 @@ def daemon():
 
 def test_deep_and_forged_messages_on_a_daemons_sockets_are_dropped_while_a_stream_goes_on(daemon):
     runtime = daemon.runtime_dir()
-    ready = daemon.log_entries("scheduler_ready")[-1]
-    forged_ready = SchedulerReady(ready["worker"], "f" * 32, 1, "m", "/", "0", 8, 8, 1, 1, 1, b"\x00" * 32)
+    (scheduler,) = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
+    forged_ready = SchedulerReady(scheduler.worker_id, "f" * 32, 1, "m", "/", "0", 8, 8, 1, 1, 1, b"\x00" * 32)
     forged_hello = FrontendHello("intruder", b"\x00" * 32)
+    # Unsealed: it would have the worker pull pages from where the sender says and cache them under a tenant's salt.
+    poison = KVTransferParams("intruder", "x", "ipc:///tmp/intruder.ipc", [0], [b"\x00" * 32], 16)
+    forged_add = AddRequest("intruder-1", list(range(1, 20)), SamplingParams(max_tokens=2), Priority.INTERACTIVE,
+                            cache_salt="victim", kv_transfer_params=poison)  # fmt: skip
+    forged_requests = (forged_hello, forged_add)
     with ThreadPoolExecutor(1) as pool:
         call = daemon.generation.Generate(pb.GenerateRequest(prompt="keep going", sampling=LONG), timeout=120)
         first = next(call)
@@ -311,7 +340,7 @@ def test_deep_and_forged_messages_on_a_daemons_sockets_are_dropped_while_a_strea
         try:
             for name, payloads in (
                 ("frontend.ipc", [deep_before_tag("step"), frontend_codec().encode(forged_ready)]),
-                ("scheduler-0-0.ipc", [deep_before_tag("add"), scheduler_codec().encode(forged_hello)]),
+                ("scheduler-0-0.ipc", [deep_before_tag("add"), *map(scheduler_codec().encode, forged_requests)]),
             ):
                 push = context.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 2000)
@@ -321,18 +350,22 @@ def test_deep_and_forged_messages_on_a_daemons_sockets_are_dropped_while_a_strea
                 push.close()
         finally:
             context.term()
-        daemon.wait_for(lambda: len(daemon.log_entries("forged_message")) >= 2, timeout=10)
+        daemon.wait_for(lambda: len(daemon.log_entries("forged_message")) >= 3, timeout=10)
         chunks = [first, *rest.result(timeout=120)]
     dropped = daemon.log_entries("dropped_bad_message", error_type="RecursionError")
     assert sorted(r["process"] for r in dropped) == ["frontend", "scheduler"]
     forged = daemon.log_entries("forged_message")
-    assert sorted((r["process"], r["kind"]) for r in forged) == [
-        ("frontend", "SchedulerReady"),
-        ("scheduler", "FrontendHello"),
+    assert sorted((r["process"], r["channel"], r["kind"]) for r in forged) == [
+        ("frontend", "to_frontend", "SchedulerReady"),
+        ("scheduler", "to_scheduler", "AddRequest"),
+        ("scheduler", "to_scheduler", "FrontendHello"),
     ]
-    # The stream never noticed: no restart was taken for real, no orphan was aborted.
+    # The stream never noticed (it ran to its end, so it was not aborted), and no restart was taken for real: the
+    # same scheduler process at the same epoch.
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 1500
-    assert not daemon.log_entries("orphans_aborted") and len(daemon.log_entries("scheduler_ready")) == 1
+    (after,) = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
+    assert (after.worker_id, after.pid, after.epoch, after.ready) == (scheduler.worker_id, scheduler.pid,
+                                                                      scheduler.epoch, True)  # fmt: skip
     assert daemon.generate("still serving", max_tokens=4, ignore_eos=True)[-1].finish_reason == "length"
 
 

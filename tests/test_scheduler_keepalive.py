@@ -12,17 +12,23 @@ import structlog
 import zmq
 
 from gpu_runtime.ipc.messages import LoadReport, StepOutputs, frontend_codec
+from gpu_runtime.ipc.peer_auth import TO_FRONTEND, TO_SCHEDULER, PeerAuth
 from gpu_runtime.worker.io_threads import OutputWriter
 
 KEEPALIVE = StepOutputs("model/0", "incarnation", [])
+AUTH = PeerAuth(b"k" * 32)
 
 
 def received(socket: zmq.Socket, seconds: float) -> list:
+    """What came in `seconds`, each checked against its seal as the frontend checks it."""
     codec, messages = frontend_codec(), []
+    frontend_end = AUTH.session("f1", b"n1", "model/0", "incarnation", receives=TO_FRONTEND)
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         if socket.poll(int(left * 1000)):
-            messages.append(codec.decode(socket.recv()))
+            data, seal = socket.recv_multipart()
+            assert frontend_end.receive.check(data, seal) is None
+            messages.append(codec.decode(data))
     return messages
 
 
@@ -33,7 +39,8 @@ def wired(tmp_path):
     frontend = context.socket(zmq.PULL)
     address = f"ipc://{tmp_path}/frontend.ipc"
     frontend.bind(address)
-    writer = OutputWriter(context, address, structlog.get_logger())
+    session = AUTH.session("f1", b"n1", "model/0", "incarnation", receives=TO_SCHEDULER)  # the scheduler's end
+    writer = OutputWriter(context, address, structlog.get_logger(), session=lambda: session)
     writer.start()
     yield writer, frontend
     writer.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from common.lanes import DrainAction, Role
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
 
@@ -17,8 +18,9 @@ from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
 
 class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a prompt's computed KV pages wait for a decode worker to pull them (vLLM's names, so operators
-    recognise them): a prefill worker answers its request's first token with these, and the frontend sends them
-    on with the rest of the request. The pages stay pinned there under a lease until pulled or expired."""
+    recognise them): a prefill worker hands its request over with these, and the frontend sends them on with the
+    rest of the request. The pages stay pinned there under a lease until pulled or expired. No pages at all (the
+    prompt filled none, or prefix caching is off) is a handover too: the decode worker computes the prompt."""
 
     remote_engine_id: str  # the prefill worker's id
     remote_request_id: str  # the lease: the request whose prompt the pages hold
@@ -26,6 +28,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_block_ids: list[int]  # its pages, prompt order
     remote_page_hashes: list[bytes]  # their content hashes: the decode worker skips pages it already holds
     remote_num_tokens: int  # prompt tokens the pages hold (full pages only)
+    # The lease's capability, minted by the prefill worker as it grants the lease (KVLeases.token_of): every pull,
+    # lock and unlock must present it, so only the decode worker the frontend hands the request to can read, pin
+    # or release the pages. Secret: never log it (nor this struct's repr). b"": no lease (no pages).
+    remote_lease_token: bytes = b""
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=True):
@@ -35,8 +41,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=T
     priority: Priority
     # Folded into the hash of the prompt's first page: requests with different salts never share cached pages.
     cache_salt: str = ""
-    # Prefill only (a prefill worker's part of a disaggregated request): keep the prompt's pages under a lease
-    # once the first token is out, and answer with KVTransferParams on the final delta.
+    # Prefill only (a prefill worker's part of a disaggregated request, sent with max_tokens 1): once the first
+    # token is out, keep the prompt's pages under a lease and hand the request over (RequestDelta.handover).
     do_remote_decode: bool = False
     # The decode worker's part: pull these pages first, then run the request as a prefix hit on them.
     kv_transfer_params: KVTransferParams | None = None
@@ -51,7 +57,10 @@ class FrontendHello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fie
     them, and answers with SchedulerReady, then with the final deltas of those it aborted (for metering)."""
 
     frontend_id: str
-    proof: bytes  # PeerAuth.hello_proof(frontend_id): the sender read the daemon's per-boot secret
+    proof: bytes  # PeerAuth.hello_proof(frontend_id, nonce): the sender read the daemon's per-boot secret
+    # New at every connection the frontend makes: with the scheduler's incarnation it keys the connection's seals
+    # (PeerAuth.session). A scheduler takes each nonce once, so a replayed hello opens no session.
+    nonce: bytes = b""
 
 
 class DrainWorker(msgspec.Struct, frozen=True, tag="drain", forbid_unknown_fields=True):
@@ -59,7 +68,7 @@ class DrainWorker(msgspec.Struct, frozen=True, tag="drain", forbid_unknown_field
     on the same connection as the requests, so every request sent before it is known to the worker first."""
 
     timeout_s: float  # then what still runs ends as on_timeout says
-    on_timeout: str  # "abort": final deltas with finish reason abort; "migrate": the same, marked `migrate`
+    on_timeout: DrainAction  # abort: final deltas with finish reason abort; migrate: the same, marked `migrate`
 
 
 ToScheduler = AddRequest | AbortRequests | FrontendHello | DrainWorker
@@ -79,7 +88,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """One request's progress in one engine step, as the engine emits it and the frontend reads it.
 
-    Counts are authoritative and cumulative; a finish_reason ends the request.
+    Counts are authoritative and cumulative; a finish_reason ends the request on this worker. A final delta may
+    say the request goes on elsewhere, explicitly: `handover` (the prefill part of a disaggregated request is
+    done) or `migrate` (the worker was retired mid-stream). The client sees neither: its stream goes on.
     """
 
     request_id: str
@@ -99,9 +110,10 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # With FinishReason.ABORT: the worker was retired mid-stream (a rollout's drain timeout, on_drain_timeout
     # migrate); the frontend goes on with the prompt and these tokens on a serving worker.
     migrate: bool = False
-    # On a do_remote_decode request's final delta: where its prompt's pages wait (None: nothing to pull, e.g. the
-    # first token was a stop token, or the prompt filled no page).
-    kv_transfer_params: KVTransferParams | None = None
+    # On a do_remote_decode request's final delta when the request continues on a decode worker (its first token
+    # did not end it): where its prompt's pages wait. None on every other delta, and when the first token ended
+    # the request for good (a stop token, an abort).
+    handover: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -130,14 +142,20 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     num_pages: int
     page_size: int
     max_num_seqs: int  # the running batch's depth: the frontend dispatches about this many at once
-    proof: bytes  # PeerAuth.ready_proof(worker_id, incarnation): the sender read the daemon's per-boot secret
+    # PeerAuth.ready_proof(worker_id, incarnation, kv_address): the sender read the daemon's per-boot secret
+    proof: bytes
     # The model's defaults for sampling fields a request leaves unset (--generation-config); the frontend fills them.
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     # --chat-template, absolute; None: the checkpoint's own template (the frontend renders chats).
     chat_template: str | None = None
     generation: str = ""  # the weights it serves (common.generation): named in every chunk and ledger row
     max_num_batched_tokens: int = 0  # a step's token budget (the autoscaler's capacity model reads it)
-    role: str = "mixed"  # "prefill", "decode" or "mixed" (both): which part of a request the frontend sends here
+    # Which part of a request this worker runs. Metadata only: whether it is routed is the daemon's worker set's
+    # say (WorkerInfo.state), never this message's.
+    role: Role = Role.MIXED
+    # ipc:// where it serves KV pulls when it is a prefill worker: the only address the frontend lets a handover
+    # of its requests name (KVTransferParams.remote_address).
+    kv_address: str = ""
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):
@@ -185,6 +203,12 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # 5 bytes a token: under 1 MiB for 128k tokens) and a StepOutputs with top logprobs for a full batch (tens of
 # KiB); far below what would let one message exhaust a receiver's memory.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+# The messages that travel as one frame, with a proof of their own inside. Every other message goes as two frames,
+# [encoded, seal] (gpu_runtime.ipc.peer_auth.FrameSeal), on the session the hello and the ready opened; a receiver
+# drops one whose seal is missing, forged or replayed.
+UNSEALED = (FrontendHello, SchedulerReady)
 
 
 class Codec:

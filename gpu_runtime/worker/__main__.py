@@ -6,12 +6,14 @@ import os
 import queue
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import zmq
 
 from common.child_process import become_child
 from common.exit_codes import EXIT_CONFIG_ERROR
+from common.lanes import Role
 from common.logs import configure_logging
 from gpu_runtime.ipc.peer_auth import PeerAuth, read_secret
 from gpu_runtime.worker.spec import WorkerSpec
@@ -62,15 +64,19 @@ def main(argv: list[str]) -> int:
 
     context = zmq.Context()
     inbox: queue.Queue = queue.Queue()
-    reader = InputReader(context, spec.input_address, inbox, auth, log)
-    # The output thread tells the engine thread through the inbox: only the engine thread touches the engine.
-    writer = OutputWriter(context, spec.output_address, log, on_disconnect=lambda: inbox.put(FrontendDisconnected()))
+    incarnation = uuid.uuid4().hex
+    reader = InputReader(context, spec.input_address, inbox, auth, log, worker_id=spec.worker_id,
+                         incarnation=incarnation)  # fmt: skip
+    # The output thread tells the engine thread through the inbox: only the engine thread touches the engine. It
+    # seals what it sends with the session the input thread opened at the latest hello.
+    writer = OutputWriter(context, spec.output_address, log, on_disconnect=lambda: inbox.put(FrontendDisconnected()),
+                          session=lambda: reader.session)  # fmt: skip
     handover = Handover(engine, context, inbox, log, worker_id=spec.worker_id, kv_address=spec.kv_address,
                         lease_seconds=spec.kv_lease_seconds, load_failure=spec.kv_load_failure,
                         transport=spec.kv_transfer_transport)  # fmt: skip
-    if spec.role == "prefill":
+    if spec.role == Role.PREFILL:
         handover.start_server()
-    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log, handover)
+    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log, handover, incarnation=incarnation)
     Path(spec.heartbeat_path).touch()  # from here on the loop keeps it fresh
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())

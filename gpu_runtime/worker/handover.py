@@ -3,7 +3,8 @@ pulls. The scheduler loop calls it at its step boundaries; everything here that 
 engine thread, the socket work on the server and puller threads.
 
 A prefill worker runs a `do_remote_decode` request (its frontend asked for one token), and when that first token
-ends it, pins the prompt's full pages under a lease and puts KVTransferParams on the final delta. A decode worker
+ends it by max_tokens, pins the prompt's full pages under a lease and hands the request over: its final delta says
+`handover`, with the KVTransferParams of those pages. A decode worker
 given `kv_transfer_params` pulls the pages it lacks (by hash) while it keeps stepping, imports them into its
 prefix cache, and only then admits the request, which finds its prompt cached except the last partial page.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from common.lanes import KVLoadFailure, KVTransport
 from gpu_runtime.engine import LLMEngine
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
@@ -55,17 +57,17 @@ class Handover:
         worker_id: str,
         kv_address: str,
         lease_seconds: float,
-        load_failure: str,
-        transport: str = "zmq",
+        load_failure: KVLoadFailure,
+        transport: KVTransport = KVTransport.ZMQ,
     ):
-        self._transport = transport  # how pages are pulled here: "zmq" or "nixl"
+        self._transport = transport  # how pages are pulled here
         self.engine = engine
         self._context = context
         self._inbox = inbox
         self._log = log
         self._worker_id = worker_id
         self._kv_address = kv_address
-        self._load_failure = load_failure  # "recompute" | "fail"
+        self._load_failure = load_failure
         self._lease_seconds = lease_seconds
         self.leases = engine.leases
         self.stats = HandoverStats()
@@ -76,8 +78,9 @@ class Handover:
 
     def start_server(self) -> None:
         """Prefill workers serve pulls (on the private ipc:// address the daemon gave them)."""
+        # Only the configured transport: NIXL's agent and registrations exist only where NIXL is configured.
         self._server = KVServer(self._context, self._kv_address, self.engine.runner.pool, self.leases, self._inbox,
-                                self._log)  # fmt: skip
+                                self._log, transports=(self._transport,))  # fmt: skip
         self._server.start()
 
     def close(self) -> None:
@@ -103,7 +106,7 @@ class Handover:
         if message.do_remote_decode:
             self._prefills[message.request_id] = message
         params = message.kv_transfer_params
-        if params is None or not self.engine.config.enable_prefix_caching:
+        if params is None or not params.remote_block_ids or not self.engine.config.enable_prefix_caching:
             return admit(message)
         own = self.engine.kv.hasher.hash_tokens(message.prompt_token_ids[: params.remote_num_tokens],
                                                 message.cache_salt)  # fmt: skip
@@ -122,39 +125,65 @@ class Handover:
             self._puller.start()
         self._pulls[message.request_id] = _PendingPull(message, own, positions)
         page_ids = [params.remote_block_ids[i] for i in positions]
-        self._puller.pull(PullJob(message.request_id, params.remote_address, params.remote_request_id, page_ids))
+        self._puller.pull(PullJob(message.request_id, params.remote_address, params.remote_request_id, page_ids,
+                                  params.remote_lease_token))  # fmt: skip
         return []
 
     def pulled(self, result: PagesPulled, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
-        """A pull ended: its pages go into the prefix cache and the request is admitted (or, if the pull failed,
-        recomputed or failed as kv_load_failure says)."""
+        """A pull ended: its pages go into the prefix cache and the request is admitted (or, if the pull or the
+        import failed, recomputed or failed as kv_load_failure says). Nothing that fails from here escapes: the
+        request has left the pending pulls, so an escaped failure would leave it with no final delta."""
         pending = self._pulls.pop(result.request_id, None)
         if pending is None:
             return []  # aborted while its pages travelled
         message = pending.message
-        error = result.error
-        if not error:
-            export = PageExport(self.engine.kv.page_size, pending.hashes, result.keys, result.values, pending.positions)
-            try:
-                import_pages(self.engine.kv, self.engine.runner.pool, export)
-            except ValueError as refused:  # not enough free pages here right now
-                error = f"import: {refused}"
+        error = result.error or self._import(pending, result)
         if error:
             self.stats.pull_failures += 1
             self._log.warning("kv_pull_failed", request_id=message.request_id, error=error,
                               action=self._load_failure)  # fmt: skip
-            if self._load_failure == "fail":
+            if self._load_failure == KVLoadFailure.FAIL:
                 num_prompt = len(message.prompt_token_ids)
                 reason = f"the prompt's KV pages could not be moved to the decode worker ({error}); retry"
                 return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, reason,
                                      retryable=True)]  # fmt: skip
-            return admit(message)
+            return self._admit(message, admit)
         self.stats.pulled_pages += len(pending.positions)
         self.stats.pulled_bytes += result.num_bytes
         self.stats.pull_seconds += result.seconds
         self._log.debug("kv_pulled", request_id=message.request_id, pages=len(pending.positions),
                         bytes=result.num_bytes, seconds=round(result.seconds, 4))  # fmt: skip
-        return admit(message)
+        return self._admit(message, admit)
+
+    def _import(self, pending: _PendingPull, result: PagesPulled) -> str:
+        """Writes a pull's pages into the prefix cache: "" once they are in, else why not. The tensors are checked
+        against this pool first, so a malformed pull is refused before import_pages takes any page."""
+        try:
+            _check_shape(result, len(pending.positions), self.engine.runner.pool.layers)
+            export = PageExport(self.engine.kv.page_size, pending.hashes, result.keys, result.values, pending.positions)
+            import_pages(self.engine.kv, self.engine.runner.pool, export)
+        except ValueError as refused:  # not enough free pages here right now, or not pages of this pool
+            return f"import: {refused}"
+        except Exception as error:  # a failing device or a bug: the request's failure, never the loop's
+            self._log.error("kv_import_failed", request_id=pending.message.request_id, error_type=type(error).__name__,
+                            exc_info=True)  # fmt: skip
+            return f"import: {type(error).__name__}: {error}"[:500]
+        return ""
+
+    def _admit(self, message: AddRequest, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
+        """admit(message), except that a failure ends the request with an error delta (the scheduler loop's backstop
+        does that only for requests that come as an AddRequest; this one comes as a PagesPulled)."""
+        try:
+            return admit(message)
+        except Exception as error:
+            kind = type(error).__name__
+            self._log.error("kv_admit_failed", request_id=message.request_id, error_type=kind, error=str(error)[:200],
+                            exc_info=True)  # fmt: skip
+            if message.request_id in self.engine.unfinished_request_ids():
+                return []  # the engine took it after all: its own final delta will come
+            num_prompt = len(message.prompt_token_ids)
+            reason = f"the scheduler failed on this request ({kind})"
+            return [RequestDelta(message.request_id, [], None, FinishReason.ERROR, num_prompt, 0, 0, reason)]
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Ends a request still waiting for its pages (its final delta), or releases a lease of that id (the
@@ -171,7 +200,9 @@ class Handover:
     # -- after a step -----------------------------------------------------------------------------------------
 
     def finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Puts KVTransferParams on the final delta of each prefill whose first token did not end it for good."""
+        """Hands over each prefill whose first token did not end it for good: the frontend sent it with max_tokens
+        1, so a LENGTH finish is that cut, and its final delta says `handover` (a stop token or an abort ends the
+        request here, and says nothing of the kind)."""
         if not self._prefills:
             return deltas
         out = []
@@ -179,16 +210,16 @@ class Handover:
             message = self._prefills.get(delta.request_id) if delta.finished else None
             if message is not None:
                 del self._prefills[delta.request_id]
-                if delta.finish_reason is FinishReason.LENGTH and delta.num_output_tokens == 1:
-                    delta = self._lease(message, delta)
+                if delta.finish_reason is FinishReason.LENGTH:
+                    delta = self._hand_over(message, delta)
             out.append(delta)
         return out
 
-    def _lease(self, message: AddRequest, delta: RequestDelta) -> RequestDelta:
+    def _hand_over(self, message: AddRequest, delta: RequestDelta) -> RequestDelta:
+        # No page leased (the prompt filled none, or caching is off) is still a handover: the decode worker
+        # computes the whole prompt.
         page_ids, hashes = self.leases.grant(message.request_id, message.prompt_token_ids, message.cache_salt,
                                              self._lease_seconds)  # fmt: skip
-        if not page_ids:
-            return delta  # the prompt filled no page (or caching is off): the decode worker computes it all
         params = KVTransferParams(
             remote_engine_id=self._worker_id,
             remote_request_id=message.request_id,
@@ -196,8 +227,9 @@ class Handover:
             remote_block_ids=page_ids,
             remote_page_hashes=hashes,
             remote_num_tokens=len(page_ids) * self.engine.kv.page_size,
+            remote_lease_token=self.leases.token_of(message.request_id),
         )
-        return msgspec.structs.replace(delta, kv_transfer_params=params)
+        return msgspec.structs.replace(delta, handover=params)
 
     def lease_pulled(self, message: LeasePulled) -> None:
         self.leases.release(message.lease_id)
@@ -206,3 +238,13 @@ class Handover:
         expired = self.leases.expire()
         if expired:
             self._log.warning("kv_leases_expired", count=len(expired), detail="no decode worker pulled them")
+
+
+def _check_shape(result: PagesPulled, num_pages: int, layers: list) -> None:
+    """ValueError unless the pull holds `num_pages` pages of K and of V for every layer of this pool."""
+    key_cache, _ = layers[0]
+    expected = (len(layers), num_pages, *key_cache.shape[1:])
+    for name, tensor in (("keys", result.keys), ("values", result.values)):
+        shape = None if tensor is None else tuple(tensor.shape)
+        if shape != expected:
+            raise ValueError(f"pulled {name}: shape {shape}, this pool takes {expected}")

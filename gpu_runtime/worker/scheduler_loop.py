@@ -11,6 +11,7 @@ import uuid
 
 import msgspec
 
+from common.lanes import DrainAction, Role
 from gpu_runtime.engine import LLMEngine
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import (
@@ -38,7 +39,8 @@ _RECENT_STEPS = 64  # the load report's longest_recent_step_ms looks this many s
 class SchedulerLoop:
     """Owns the engine thread's side: applies messages at step boundaries, steps, and reports load.
 
-    Requests are taken only once a frontend has said a genuine hello (the InputReader drops forged ones). The
+    Requests are taken only once a frontend has said a genuine hello (the InputReader drops forged ones, and every
+    later frame without the seal of the session that hello opened). The
     frontend sends its hello first on every connection it makes, and one connection keeps its order, so a
     frontend loses nothing by this; a peer that skips the hello gets nothing run. A disconnect does not close
     the gate again: what the gone frontend still had queued here runs and is orphaned at the next hello.
@@ -57,13 +59,15 @@ class SchedulerLoop:
         auth: PeerAuth,
         log,
         handover: Handover | None = None,
+        incarnation: str | None = None,
     ):
         self.spec = spec
         # Disaggregated serving's part here (leases on a prefill worker, pulls on a decode worker); None: neither,
         # and a request that names pages elsewhere is simply computed here whole.
         self.handover = handover
         self.engine = engine
-        self.incarnation = uuid.uuid4().hex
+        # New at every process start (the InputReader binds its sessions to it too, so it is made before both).
+        self.incarnation = incarnation or uuid.uuid4().hex
         self._inbox = inbox
         self._outbox = outbox
         self._auth = auth
@@ -130,7 +134,7 @@ class SchedulerLoop:
         """A draining worker stops once nothing runs here and it holds no lease; past its timeout, it ends what
         still runs first (a lease then lasts until it is pulled or expires)."""
         if self._unfinished_ids() and time.monotonic() >= self._drain_deadline:
-            migrate = self._drain.on_timeout == "migrate"
+            migrate = self._drain.on_timeout == DrainAction.MIGRATE
             deltas = []
             for request_id in self._unfinished_ids():
                 delta = self._end(request_id)
@@ -266,6 +270,7 @@ class SchedulerLoop:
 
     def _ready(self) -> SchedulerReady:
         engine = self.engine
+        kv_address = self.spec.kv_address if self.spec.role == Role.PREFILL else ""  # only prefill workers serve pulls
         return SchedulerReady(
             worker_id=self.spec.worker_id,
             incarnation=self.incarnation,
@@ -278,12 +283,13 @@ class SchedulerLoop:
             num_pages=engine.kv.num_pages,
             page_size=engine.kv.page_size,
             max_num_seqs=engine.config.max_num_seqs,
-            proof=self._auth.ready_proof(self.spec.worker_id, self.incarnation),
+            proof=self._auth.ready_proof(self.spec.worker_id, self.incarnation, kv_address),
             sampling_defaults=engine.sampling_defaults,
             chat_template=engine.chat_template,
             generation=engine.generation,
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             role=self.spec.role,
+            kv_address=kv_address,
         )
 
     def _report_when_due(self, force: bool = False) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from common.lanes import KVLoadFailure, KVTransport, Role
 from gpu_runtime.engine_config import EngineConfig
 
 
@@ -29,13 +30,13 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Under tensor parallelism, how long a collective waits for the other ranks: the daemon's stall_timeout, so a
     # hung rank fails the step about when the watchdog would have killed the stalled scheduler anyway.
     collective_timeout_s: float = 30.0
-    # Disaggregated serving: "prefill" (runs prompts, leases their pages to decode workers), "decode" (pulls
-    # them, then generates) or "mixed" (both parts of every request).
-    role: str = "mixed"
+    # Disaggregated serving: prefill (runs prompts, leases their pages to decode workers), decode (pulls them,
+    # then generates) or mixed (both parts of every request).
+    role: Role = Role.MIXED
     kv_address: str = ""  # ipc:// a prefill worker serves pulls on (in the daemon's private directory)
     kv_lease_seconds: float = 30.0  # a lease no decode worker pulled is released after this
-    kv_load_failure: str = "recompute"  # a pull that fails: "recompute" the prompt here, or "fail" the request
-    kv_transfer_transport: str = "zmq"  # how this worker pulls pages: "zmq" frames, or a "nixl" READ
+    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE  # a pull that fails: recompute the prompt, or fail
+    kv_transfer_transport: KVTransport = KVTransport.ZMQ  # how this worker pulls pages: zmq frames, or a nixl READ
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -1,0 +1,136 @@
+"""A decode worker's pull that fails after its pages arrived (a malformed pull, an import that raises, a request the
+engine then chokes on) still ends its request, as kv_load_failure says, and holds no page: before, any failure but
+a ValueError escaped Handover.pulled, so the request never got a final delta and the pages taken stayed taken."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import pytest
+import structlog
+import torch
+
+from common.lanes import KVLoadFailure
+from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
+from gpu_runtime.ipc.sampling_params import SamplingParams
+from gpu_runtime.kv_cache.manager import KVCacheManager
+from gpu_runtime.kv_transfer.leases import KVLeases
+from gpu_runtime.kv_transfer.puller import PagesPulled
+from gpu_runtime.worker import handover as handover_module
+from gpu_runtime.worker.handover import Handover
+
+pytestmark = pytest.mark.fast
+
+NUM_PAGES, PAGE_SIZE, NUM_LAYERS, KV_HEADS, HEAD_DIM = 8, 4, 2, 1, 2
+PROMPT = list(range(1, 11))  # two full pages and a partial one
+
+
+class FakeEngine:
+    """What a decode worker's Handover touches of its engine: a real page pool and prefix cache, and no model."""
+
+    def __init__(self):
+        self.kv = KVCacheManager(NUM_PAGES, PAGE_SIZE)
+        shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+        self.runner = SimpleNamespace(pool=SimpleNamespace(layers=[(torch.zeros(shape), torch.zeros(shape))
+                                                                   for _ in range(NUM_LAYERS)]))  # fmt: skip
+        self.leases = KVLeases(self.kv)
+        self.config = SimpleNamespace(enable_prefix_caching=True)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return []
+
+
+class FakePuller:
+    """KVPuller's interface, without its thread: the test answers each pull itself."""
+
+    def __init__(self, *args, **kwargs):
+        self.jobs = []
+
+    def start(self) -> None:
+        pass
+
+    def pull(self, job) -> None:
+        self.jobs.append(job)
+
+
+def _pending(monkeypatch, load_failure: KVLoadFailure) -> tuple[Handover, FakeEngine, AddRequest]:
+    """A decode worker's Handover with one request waiting for its two pages."""
+    monkeypatch.setattr(handover_module, "KVPuller", FakePuller)
+    engine = FakeEngine()
+    handover = Handover(engine, None, queue.Queue(), structlog.get_logger(), worker_id="decode/0", kv_address="",
+                        lease_seconds=5.0, load_failure=load_failure)  # fmt: skip
+    hashes = engine.kv.hasher.hash_tokens(PROMPT[: 2 * PAGE_SIZE], "tenant-a")
+    params = KVTransferParams(remote_engine_id="prefill/0", remote_request_id="r1", remote_address="ipc:///kv",
+                              remote_block_ids=[5, 6], remote_page_hashes=hashes,
+                              remote_num_tokens=2 * PAGE_SIZE)  # fmt: skip
+    message = AddRequest("r1", PROMPT, SamplingParams(max_tokens=4), Priority.INTERACTIVE, cache_salt="tenant-a",
+                         kv_transfer_params=params)  # fmt: skip
+    assert handover.add(message, admit=_refuse) == [] and handover.has_pending
+    return handover, engine, message
+
+
+def _refuse(message: AddRequest) -> list[RequestDelta]:
+    raise AssertionError("admitted before its pages came")
+
+
+def _pages(num_pages: int = 2, head_dim: int = HEAD_DIM) -> torch.Tensor:
+    return torch.ones(NUM_LAYERS, num_pages, PAGE_SIZE, KV_HEADS, head_dim)
+
+
+def _ended(deltas: list[RequestDelta], admitted: list[AddRequest], message: AddRequest,
+           load_failure: KVLoadFailure) -> None:  # fmt: skip
+    """The request ended as kv_load_failure says: computed here whole, or failed for the client to retry."""
+    if load_failure == KVLoadFailure.RECOMPUTE:
+        assert admitted == [message] and deltas == []
+    else:
+        (delta,) = deltas
+        assert admitted == [] and delta.finish_reason is FinishReason.ERROR and delta.retryable
+        assert "could not be moved to the decode worker" in delta.error
+
+
+@pytest.mark.parametrize("load_failure", list(KVLoadFailure))
+def test_a_malformed_pull_ends_its_request_and_takes_no_page(monkeypatch, load_failure):
+    handover, engine, message = _pending(monkeypatch, load_failure)
+    admitted = []
+    wrong = _pages(head_dim=HEAD_DIM + 1)  # not this pool's shape: import_pages raised RuntimeError part-way
+    deltas = handover.pulled(PagesPulled("r1", wrong, wrong), admit=lambda m: admitted.append(m) or [])
+    _ended(deltas, admitted, message, load_failure)
+    assert engine.kv.allocator.num_used_pages == 0 and engine.kv.allocator.num_cached_pages == 0
+    assert handover.stats.pull_failures == 1 and not handover.has_pending
+
+
+@pytest.mark.parametrize("load_failure", list(KVLoadFailure))
+def test_an_import_that_raises_ends_its_request(monkeypatch, load_failure):
+    handover, engine, message = _pending(monkeypatch, load_failure)
+
+    def failing_import(kv, pool, export):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")  # what a failing device raises
+
+    monkeypatch.setattr(handover_module, "import_pages", failing_import)
+    admitted = []
+    deltas = handover.pulled(PagesPulled("r1", _pages(), _pages()), admit=lambda m: admitted.append(m) or [])
+    _ended(deltas, admitted, message, load_failure)
+    assert engine.kv.allocator.num_used_pages == 0 and handover.stats.pull_failures == 1
+
+
+def test_a_request_the_engine_chokes_on_after_its_pull_fails_alone(monkeypatch):
+    handover, engine, message = _pending(monkeypatch, KVLoadFailure.RECOMPUTE)
+
+    def choking_admit(message: AddRequest) -> list[RequestDelta]:
+        raise TypeError("an engine bug")
+
+    (delta,) = handover.pulled(PagesPulled("r1", _pages(), _pages()), admit=choking_admit)
+    assert delta.request_id == "r1" and delta.finish_reason is FinishReason.ERROR and "TypeError" in delta.error
+    assert delta.num_prompt_tokens == len(PROMPT) and not delta.retryable
+    # Its pages were imported: free and cached, held by no one, like any other cached page.
+    assert engine.kv.allocator.num_used_pages == 0 and engine.kv.allocator.num_cached_pages == 2
+
+
+def test_a_good_pull_is_imported_and_admitted(monkeypatch):
+    handover, engine, message = _pending(monkeypatch, KVLoadFailure.FAIL)
+    admitted = []
+    assert handover.pulled(PagesPulled("r1", _pages(), _pages()), admit=lambda m: admitted.append(m) or []) == []
+    assert admitted == [message] and handover.stats.pulled_pages == 2 and handover.stats.pull_failures == 0
+    assert engine.kv.allocator.num_cached_pages == 2 and engine.kv.allocator.num_used_pages == 0

@@ -187,8 +187,9 @@ def _quiet(snapshot: LoadSnapshot, policy: AutoscalePolicy, effective: float) ->
 
 
 @dataclass(frozen=True, slots=True)
-class StepTimeModel:
-    """A step's milliseconds as base_ms + per_token_ms * tokens computed in the step."""
+class StepCost:
+    """A step's milliseconds as base_ms + per_token_ms * tokens computed in the step: the frontend's fit from the
+    workers' load reports (not gpu_runtime.latency.StepTimeModel, the scheduler's own fit of each step)."""
 
     base_ms: float
     per_token_ms: float
@@ -197,7 +198,7 @@ class StepTimeModel:
         return self.base_ms + self.per_token_ms * tokens
 
 
-def fit_step_model(samples: list[tuple[int, float]], skip_first: int = 0) -> StepTimeModel:
+def fit_step_model(samples: list[tuple[int, float]], skip_first: int = 0) -> StepCost:
     """Least squares over (tokens in step, step ms) samples, the first `skip_first` (cold-start steps: allocator
     warm-up, kernel compilation) left out so that they do not inflate the costs."""
     kept = samples[skip_first:]
@@ -211,7 +212,7 @@ def fit_step_model(samples: list[tuple[int, float]], skip_first: int = 0) -> Ste
         raise ValueError("samples: every step computed the same number of tokens; the slope is undetermined")
     slope = sum((t - mean_x) * (ms - mean_y) for t, ms in kept) / sxx
     slope = max(0.0, slope)  # a cost cannot be negative: that is noise
-    return StepTimeModel(base_ms=max(0.0, mean_y - slope * mean_x), per_token_ms=slope)
+    return StepCost(base_ms=max(0.0, mean_y - slope * mean_x), per_token_ms=slope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +223,7 @@ class WorkerCapacity:
 
 
 def worker_capacity(
-    step_model: StepTimeModel,
+    step_model: StepCost,
     prompt_tokens: float,
     output_tokens: float,
     ttft_target_s: float,
@@ -287,7 +288,7 @@ def forecast_floor(
     arrivals: list[tuple[float, int, int]],
     now: float,
     horizon_s: float,
-    step_model: StepTimeModel,
+    step_model: StepCost,
     policy: AutoscalePolicy,
     *,
     ttft_target_s: float,

@@ -3,11 +3,14 @@ gateway's. A slot is one GPU group a scheduler can run on: each model's configur
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from common.lanes import Role
+from daemon.admin_token import ADMIN_TOKEN_FILE
 from daemon.config import ModelSpec, ServeConfig
 from frontend.control_messages import DAEMON_SOCKET_FILE, FRONTEND_SOCKET_FILE
 from frontend.gateway.spec import GatewaySpec
@@ -25,7 +28,7 @@ class Slot:
     cuda_visible_devices: str | None
     owner: str | None  # the model whose worker ran here last; None: a spare never used
     cpu_cores: tuple[int, ...] = ()  # a pinned CPU group's cores ("cpu@0-1"); empty: not pinned
-    role: str = "mixed"  # of the workers started here: "prefill", "decode" or "mixed"
+    role: Role = Role.MIXED  # of the workers started here
     failed: bool = False  # a worker started here later could not serve: nothing is started here again
 
 
@@ -89,7 +92,19 @@ def scheduler_specs(config: ServeConfig, runtime_dir: Path) -> list[WorkerSpec]:
     ]
 
 
-def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSpec]) -> FrontendSpec:
+def write_spec_file(runtime_dir: Path, name: str, spec_json: str) -> str:
+    """The spec in a 0600 file of the private runtime directory; its path goes on the child's command line, where
+    every local user could read the JSON (tenant key hashes, until setproctitle overwrites it)."""
+    path = runtime_dir / f"{name}.spec.json"
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(spec_json)
+    return str(path)
+
+
+def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSpec],
+                  admin_token_sha256: str = "") -> FrontendSpec:  # fmt: skip
     """The frontend's spec: where each scheduler listens, the models' names, and the admission options as given."""
     served = config.served_models()
     return FrontendSpec(
@@ -117,6 +132,8 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
         control_address=f"ipc://{runtime_dir}/{FRONTEND_SOCKET_FILE}",
         disagg_min_prompt_tokens=config.disagg_min_prompt_tokens,
         daemon_control_address=f"ipc://{runtime_dir}/{DAEMON_SOCKET_FILE}",
+        admin_token_sha256=admin_token_sha256,
+        admin_token_path=str(Path(config.state_dir) / ADMIN_TOKEN_FILE) if admin_token_sha256 else "",
     )
 
 
@@ -132,4 +149,5 @@ def gateway_spec(config: ServeConfig, runtime_dir: Path) -> GatewaySpec:
         listening_path=str(runtime_dir / "gateway.listening"),
         metrics_socket=str(runtime_dir / METRICS_SOCKET_FILE),
         metrics_token_sha256=config.metrics_token_sha256,
+        metrics_require_token=config.metrics_need_token,
     )

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from daemon.address_flag import DEFAULT_ADDRESS, add_address_flag
+from daemon.api_key import add_api_key_flags
 from daemon.bench.flags import add_bench_flags
 from daemon.config import add_serve_flags, is_loopback
 from daemon.health_command import HELP as HEALTH_HELP
@@ -89,11 +90,7 @@ def _add_generate_command(commands) -> None:
     )
     generate.add_argument("prompts", nargs="+", help="prompts; with --offline, generated together in one batch")
     add_address_flag(generate, default=DEFAULT_ADDRESS)
-    generate.add_argument(
-        "--api-key",
-        default=None,
-        help="a tenant's API key, sent as `authorization: Bearer KEY` (default: $TOKEND_API_KEY, else none)",
-    )
+    add_api_key_flags(generate, "a tenant's")  # default: $TOKEND_API_KEY, else none
     generate.add_argument(
         "--chat",
         action="store_true",

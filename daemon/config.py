@@ -9,6 +9,7 @@ rules included, before any process starts; an error names the key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import ipaddress
 import os
@@ -19,14 +20,19 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.lanes import DrainAction, KVLoadFailure, KVTransport
 from daemon import config_flags
+from daemon.config_checks import check_no_roles_under_tp, rollout_roots
 from daemon.gpu_placement import ModelShare, Placement, place, visible_gpus
 from frontend.spec import AdmissionSpec, AutoscaleSpec, TenantSpec
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, MODEL_REFERENCE, is_model_reference, served_name
 from gpu_runtime.engine_config import EngineConfig
 
+_ENUM_FIELDS = {"on_drain_timeout": DrainAction, "kv_transfer_transport": KVTransport,
+                "kv_load_failure": KVLoadFailure}  # fmt: skip
 
-def _default_state_dir() -> str:
+
+def default_state_dir() -> str:
     # systemd's StateDirectory= sets $STATE_DIRECTORY; elsewhere the XDG place.
     if "STATE_DIRECTORY" in os.environ:
         return os.environ["STATE_DIRECTORY"].split(":")[0]
@@ -85,7 +91,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ] = ""
     state_dir: Annotated[
         str, _doc("persistent state (the usage ledger); $STATE_DIRECTORY under systemd, else $XDG_STATE_HOME/tokend")
-    ] = msgspec.field(default_factory=_default_state_dir)
+    ] = msgspec.field(default_factory=default_state_dir)
     device: Annotated[
         str,
         _doc(
@@ -110,11 +116,21 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         float, _doc("seconds an old worker's streams get to finish during a rollout before on_drain_timeout")
     ] = 600.0
     on_drain_timeout: Annotated[
-        Literal["abort", "migrate"],
+        DrainAction,
         _doc("at the rollout drain timeout: abort (the stream ends with finish_reason abort) or migrate (its prompt "
              "and tokens so far go on on a new worker)"),
-    ] = "abort"  # fmt: skip
+    ] = DrainAction.ABORT  # fmt: skip
     stall_timeout: Annotated[float, _doc("seconds before a stuck scheduler loop is killed and restarted")] = 30.0
+    worker_start_timeout: Annotated[
+        float,
+        _doc("seconds a new worker has to load its model and reach its loop; past it, it is killed and counted as a "
+             "failed start (a model file that makes a loader spin cannot hold its group for ever)"),
+    ] = 600.0  # fmt: skip
+    model_roots: Annotated[
+        tuple[str, ...],
+        _doc("absolute directories a rollout's path must lie in, once symlinks are resolved; repeat it (a TOML list) "
+             "for several; unset: the directories holding the configured models, and the model cache"),
+    ] = ()  # fmt: skip
     disagg_min_prompt_tokens: Annotated[
         int,
         _doc("with prefill and decode pools (groups like cpu=prefill, cuda:1=decode): prompts shorter than this "
@@ -124,16 +140,16 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         float, _doc("seconds a prefill worker keeps a prompt's KV pages for a decode worker that has not pulled them")
     ] = 30.0
     kv_transfer_transport: Annotated[
-        Literal["zmq", "nixl"],
+        KVTransport,
         _doc("how a decode worker pulls KV pages from a prefill worker: zmq (frames over the private ipc socket; "
              "always works) or nixl (a UCX READ out of the prefill worker's registered pool; needs the nixl "
              "package)"),
-    ] = "zmq"  # fmt: skip
+    ] = KVTransport.ZMQ  # fmt: skip
     kv_load_failure: Annotated[
-        Literal["recompute", "fail"],
+        KVLoadFailure,
         _doc("when a decode worker cannot pull a prompt's pages: recompute the prompt there, or fail the request "
              "(UNAVAILABLE, retryable)"),
-    ] = "recompute"  # fmt: skip
+    ] = KVLoadFailure.RECOMPUTE  # fmt: skip
     # Its running requests wait on (the scheduler may resume) until stall_timeout kills it.
     liveness_timeout: Annotated[
         float,
@@ -176,10 +192,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
         _check("disagg_min_prompt_tokens", _is_int(self.disagg_min_prompt_tokens) and self.disagg_min_prompt_tokens
                >= 0, "an integer >= 0", self.disagg_min_prompt_tokens)  # fmt: skip
-        _check("kv_transfer_transport", self.kv_transfer_transport != "nixl" or importlib.util.find_spec("nixl")
-               is not None, "zmq, or nixl with the nixl package installed (pip install nixl-cu12 nixl)",
-               self.kv_transfer_transport)  # fmt: skip
-        for key in ("liveness_timeout", "http_header_timeout", "kv_lease_seconds"):
+        self._take_enums()
+        nixl_found = importlib.util.find_spec("nixl") is not None
+        _check("kv_transfer_transport", self.kv_transfer_transport != KVTransport.NIXL or nixl_found,
+               "zmq, or nixl with the nixl package installed (pip install nixl-cu12 nixl)",
+               str(self.kv_transfer_transport))  # fmt: skip
+        _check("model_roots", all(isinstance(r, str) and os.path.isabs(r) for r in self.model_roots),
+               "absolute directories", self.model_roots)  # fmt: skip
+        for key in ("liveness_timeout", "http_header_timeout", "kv_lease_seconds", "worker_start_timeout"):
             value = getattr(self, key)
             _check(key, _is_number(value) and value > 0, "seconds > 0", value)
         _check(
@@ -198,6 +218,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             self.log_level,
         )
 
+    def _take_enums(self) -> None:
+        """A TOML file's text for an enum field becomes its member (flags and variables were checked already), so
+        that a bad value is refused naming the key, as a flag's is."""
+        for key in _ENUM_FIELDS:
+            kind, value = _ENUM_FIELDS[key], getattr(self, key)
+            _check(key, value in set(kind), "one of " + "|".join(kind), value)
+            msgspec.structs.force_setattr(self, key, kind(value))
+
     def _check_exposure(self) -> None:
         """An inference port open beyond this machine with no keys is how clusters get abused: only on request."""
         _check("host", isinstance(self.host, str) and bool(self.host.strip()), "an address to listen on", self.host)
@@ -215,6 +243,14 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             "off, or guarded by metrics_token_sha256, when --host reaches beyond loopback",
             self.tenant_metrics,
         )
+
+    @property
+    def metrics_need_token(self) -> bool:
+        """Whether the API port's /metrics needs metrics_token_sha256: beyond loopback with tenants, the series
+        (models, load, tenants' usage) are not for whoever reaches the API. Checked when scraped, not at start: a
+        scrape without the token is refused naming the key, inference still serves. The metrics port is the
+        operator's scrape port and is left to its own token (an in-cluster EPP scrapes it without one)."""
+        return bool(self.tenants) and not is_loopback(self.host)
 
     def local_address(self, port: int) -> str:
         """host:port where this machine's own processes reach a listener (a wildcard bind through loopback)."""
@@ -239,6 +275,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         placements = place(models, self.devices, shares, visible_gpus(environ))
         for placement in placements:
             _check_ranks_fit(placement, engines[placement.model_index].tensor_parallel_size)
+            check_no_roles_under_tp(placement, engines[placement.model_index].tensor_parallel_size)
         return placements
 
     def engine_of(self, model: ModelSpec) -> EngineConfig:
@@ -255,7 +292,15 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def spare_placements(self, environ: Mapping[str, str] = os.environ) -> list[Placement]:
         """One per spare device (spare_devices): where surge rollouts start new workers. ValueError names the key."""
         spares = [d.strip() for d in self.spare_devices.split(",") if d.strip()]
-        return place([("", spares)], [], [], visible_gpus(environ)) if spares else []
+        placements = place([("", spares)], [], [], visible_gpus(environ)) if spares else []
+        tensor_parallel_size = max(self.engine_of(model).tensor_parallel_size for model in self.served_models())
+        for placement in placements:  # any model may start a worker on a spare
+            check_no_roles_under_tp(dataclasses.replace(placement, key="spare_devices"), tensor_parallel_size)
+        return placements
+
+    def rollout_roots(self) -> list[str]:
+        """Where a rollout's weights may come from (model_roots), each resolved (daemon.config_checks)."""
+        return rollout_roots(self.model_roots, [model.path for model in self.served_models()])
 
     def scheduler_threads(self, num_schedulers: int, pinned_cores: tuple[int, ...] = ()) -> int:
         """torch threads for each scheduler process: `cpu_threads`; else one per core of a pinned group; else the
@@ -314,11 +359,12 @@ def load_serve_config(args: argparse.Namespace, environ: Mapping[str, str] = os.
         values.update(_read_config_file(args.config))
     values.update(config_flags.from_env(ALL_OPTIONS, environ))
     values.update(config_flags.from_flags(ALL_OPTIONS, args))
-    if isinstance(values.get("model"), str):
-        values["model"] = [values["model"]]
-    if "model" in values:
-        _check("model", isinstance(values["model"], list), "a path or a list of paths", values["model"])
-        values["model"] = tuple(values["model"])
+    for key in ("model", "model_roots"):  # a TOML string or list, a flag repeated
+        if isinstance(values.get(key), str):
+            values[key] = [values[key]]
+        if key in values:
+            _check(key, isinstance(values[key], list), "a path or a list of paths", values[key])
+            values[key] = tuple(values[key])
     if values.get("tenants_file"):
         values["tenants"] = [*values.get("tenants", []), *_read_tenants_file(Path(str(values["tenants_file"])))]
     for key, spec_type in (("tenants", TenantSpec), ("models", ModelSpec)):

@@ -9,6 +9,7 @@ EngineConfig is a flag the day it exists.
 from __future__ import annotations
 
 import argparse
+import enum
 import types
 import typing
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ class Option:
     """One option: a struct field seen as a flag, a TOML key and an environment variable."""
 
     key: str  # the field's name: the TOML key
-    kind: type  # int, float, bool or str: what a flag's or variable's text is parsed into
+    kind: type  # int, float, bool, str or a str enum: what a flag's or variable's text is parsed into
     nullable: bool  # None (unset) is a valid value
     many: bool  # a list (`model`): the flag repeats, the TOML value may be a list
-    choices: tuple[str, ...] | None  # a Literal's values
+    choices: tuple[str, ...] | None  # a Literal's or an enum's values
     description: str
     default: object
 
@@ -81,7 +82,9 @@ def _option(field: msgspec.structs.FieldInfo) -> Option:
     if typing.get_origin(annotation) is Literal:
         choices = tuple(typing.get_args(annotation))
         annotation = type(choices[0])
-    if annotation not in (int, float, bool, str):
+    elif isinstance(annotation, type) and issubclass(annotation, enum.StrEnum):
+        choices = tuple(member.value for member in annotation)  # parsed into the member by the enum itself
+    if annotation not in (int, float, bool, str) and choices is None:
         raise TypeError(f"{field.name}: {annotation!r} cannot be a flag")  # a programming error, caught by tests
     default = field.default if field.default_factory is msgspec.NODEFAULT else field.default_factory()
     return Option(field.name, annotation, nullable, many, choices, description, default)

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import grpc
 
+from daemon.api_key import API_KEY_ENV, api_key_of
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
-
-API_KEY_ENV = "TOKEND_API_KEY"
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Streams each prompt's text to stdout as it decodes, then its usage and request id to stderr."""
-    metadata = auth_metadata(args.api_key or os.environ.get(API_KEY_ENV, ""))
+    metadata = auth_metadata(api_key_of(args))
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for prompt in args.prompts:
@@ -65,7 +63,7 @@ def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
         return ()
     # gRPC metadata is printable ASCII: anything else would fail inside the channel, far from the cause.
     if not (api_key.isascii() and api_key.isprintable()):
-        raise ValueError(f"api_key: must be printable ASCII (--api-key or ${API_KEY_ENV})")
+        raise ValueError(f"api_key: must be printable ASCII (--api-key, --api-key-file or ${API_KEY_ENV})")
     return (("authorization", f"Bearer {api_key}"),)
 
 

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.lanes import Role
+
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 _PINNED_CPU = re.compile(r"cpu@(\d+)(?:-(\d+))?")
@@ -43,7 +45,7 @@ class Placement:
     engine_device: str  # as the scheduler's engine names it: "cuda:0" (under its CUDA_VISIBLE_DEVICES), "cpu"
     cuda_visible_devices: str | None  # for its environment; None leaves the daemon's (CPU schedulers)
     cpu_cores: tuple[int, ...] = ()  # a pinned CPU group's cores ("cpu@0-1"); empty: wherever the daemon may run
-    role: str = "mixed"  # "prefill", "decode" or "mixed"
+    role: Role = Role.MIXED
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +92,12 @@ def place(
     return placements
 
 
-ROLES = ("mixed", "prefill", "decode")
-
-
 def _place_group(index: int, name: str, key: str, group: str, visible: list[str] | None) -> list[Placement]:
-    group, _, role = group.partition("=")
-    role = role.strip() or "mixed"
-    if role not in ROLES:
-        raise ValueError(f"{key}: the role after '=' must be one of {', '.join(ROLES)}, got {role!r}")
+    group, _, text = group.partition("=")
+    text = text.strip() or Role.MIXED
+    if text not in set(Role):
+        raise ValueError(f"{key}: the role after '=' must be one of {', '.join(Role)}, got {text!r}")
+    role = Role(text)
     return [dataclasses.replace(placement, role=role) for placement in _place_devices(index, name, key, group.strip(),
                                                                                       visible)]  # fmt: skip
 

@@ -7,22 +7,24 @@ canary share), 1 if it failed or was refused, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from common.lanes import RolloutPhase, RolloutStrategy
 from daemon.address_flag import DEFAULT_ADDRESS, add_address_flag
-from daemon.generate_command import API_KEY_ENV, auth_metadata
+from daemon.admin_token import ADMIN_TOKEN_FILE, read_admin_token
+from daemon.api_key import API_KEY_ENV, add_api_key_flags, api_key_of
+from daemon.config import default_state_dir
+from daemon.generate_command import auth_metadata
 
 HELP = "roll a served model onto new weights (or back) without dropping a stream"
-_SETTLED = ("done", "canary", "failed")
 
 
 def add_rollout_flags(parser: argparse.ArgumentParser) -> None:
     add_address_flag(parser, default=DEFAULT_ADDRESS)
     parser.add_argument("--model", required=True, help="the served model's name")
     parser.add_argument("--path", default="", help="the new weights: a checkpoint directory, .gguf file or built-in")
-    parser.add_argument("--strategy", choices=["surge", "in-place"], default=None,
+    parser.add_argument("--strategy", choices=list(RolloutStrategy), default=None,
                         help="surge: new workers on spare devices first; in-place: one group at a time "
                         "(default: surge when a spare device is free)")  # fmt: skip
     parser.add_argument("--canary-percent", type=int, default=0,
@@ -30,7 +32,11 @@ def add_rollout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollback", action="store_true", help="back to the weights before the latest rollout")
     parser.add_argument("--no-wait", action="store_true", help="return once the rollout has begun")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for it to settle")
-    parser.add_argument("--api-key", default=None, help=f"an admin tenant's key (default: ${API_KEY_ENV})")
+    add_api_key_flags(parser, "an admin tenant's")
+    parser.add_argument("--state-dir", default=None,
+                        help=f"the daemon's --state-dir: with no key (--api-key, --api-key-file, ${API_KEY_ENV}), "
+                        f"its {ADMIN_TOKEN_FILE} file is sent, the local admin credential (default: the daemon's "
+                        "default, $STATE_DIRECTORY or $XDG_STATE_HOME/tokend)")  # fmt: skip
 
 
 def run_rollout(args: argparse.Namespace) -> int:
@@ -42,7 +48,7 @@ def run_rollout(args: argparse.Namespace) -> int:
     if not args.path and not args.rollback:
         print("tokend rollout: path: give --path (or --rollback)", file=sys.stderr)
         return 2
-    metadata = auth_metadata(args.api_key or os.environ.get(API_KEY_ENV, ""))
+    metadata = auth_metadata(admin_key_of(args))
     request = pb.RolloutRequest(model=args.model, path=args.path, strategy=args.strategy or "",
                                 canary_percent=args.canary_percent, rollback=args.rollback)  # fmt: skip
     with grpc.insecure_channel(args.address) as channel:
@@ -51,7 +57,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             status = admin.Rollout(request, metadata=metadata, timeout=30).rollout
             shown = _show(status, 0)
             deadline = time.monotonic() + args.timeout
-            while not args.no_wait and status.phase not in _SETTLED and time.monotonic() < deadline:
+            while not args.no_wait and not RolloutPhase(status.phase).settled and time.monotonic() < deadline:
                 time.sleep(1.0)
                 reply = admin.GetRollout(pb.GetRolloutRequest(model=args.model), metadata=metadata, timeout=30)
                 status = reply.rollouts[0]
@@ -62,7 +68,13 @@ def run_rollout(args: argparse.Namespace) -> int:
     print(f"{args.model}: {status.phase} (epoch {status.epoch}, {status.path})")
     if status.error:
         print(f"tokend rollout: {status.error}", file=sys.stderr)
-    return 1 if status.phase == "failed" else 0
+    return 1 if status.phase == RolloutPhase.FAILED else 0
+
+
+def admin_key_of(args: argparse.Namespace) -> str:
+    """An admin tenant's key if one is given, else the local admin token of the daemon at --state-dir ("" when
+    neither: the daemon's refusal says how to get one)."""
+    return api_key_of(args) or read_admin_token(args.state_dir or default_state_dir())
 
 
 def _show(status, shown: int) -> int:

@@ -18,19 +18,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR
-from daemon.child_specs import frontend_spec, gateway_spec
+from common.lanes import DrainAction
+from daemon.admin_token import write_admin_token
+from daemon.child_specs import frontend_spec, gateway_spec, write_spec_file
 from daemon.children import Child
 from daemon.config import ServeConfig
 from daemon.control_channel import ControlChannel
 from daemon.listeners import banner, listeners_of
 from daemon.rollout_commands import handle_rollout
 from daemon.systemd_notify import SystemdNotifier
-from daemon.worker_pool import MAX_CONSECUTIVE_FAILURES, CannotServe, WorkerPool
+from daemon.worker_pool import CannotServe, ChildFactory, WorkerPool
 from frontend.control_messages import (
     ControlHello,
-    DrainTimeoutAction,
     RolloutCommand,
     ScaleCommand,
+    TenantsApplied,
     TenantsUpdate,
     WorkerSet,
 )
@@ -38,20 +40,25 @@ from gpu_runtime.ipc.peer_auth import read_secret, write_secret
 
 _TICK_S = 0.1
 _HEALTH_PROBE_EVERY_S = 0.25
+_TENANTS_RESEND_S = 1.0
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, log, reload_config: Callable[[], ServeConfig] | None = None):
+    def __init__(self, config: ServeConfig, log, reload_config: Callable[[], ServeConfig] | None = None,
+                 make_child: ChildFactory = Child):  # fmt: skip
         self.config = config
+        self._make_child = make_child
         self.log = log
         self._reload_config = reload_config  # SIGHUP reads the configuration again through it
         self.notifier = SystemdNotifier()
         Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+        # A new local admin token every boot (Drain and Rollout need it while there are no tenants).
+        self._admin_token_sha256 = write_admin_token(config.state_dir)
         # A private directory (mkdtemp makes it 0700): only the service user can reach the ipc sockets.
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="tokend-", dir=_systemd_runtime_dir()))
         # A new secret every boot, before any child exists: each child proves its hellos with it (peer_auth).
         secret_path = write_secret(self.runtime_dir)
-        self.pool = WorkerPool(config, self.runtime_dir, log)
+        self.pool = WorkerPool(config, self.runtime_dir, log, make_child)
         self.control = ControlChannel(self.runtime_dir, read_secret(secret_path), log)
         self.frontend = self._frontend_child()
         self.gateway = self._gateway_child() if config.http_port else None
@@ -59,6 +66,10 @@ class Supervisor:
         self._reload_requested = False
         self._serving = False
         self._published_version = -1
+        # SIGHUP's tenants, versioned: sent until the frontend acknowledges them (0: the configuration's own,
+        # which a frontend starts with), so a replay of an old update is refused and a lost one is sent again.
+        self._tenants_version = self._tenants_applied = 0
+        self._tenants_resend_at = 0.0
 
     @property
     def children(self) -> list[Child]:
@@ -102,23 +113,9 @@ class Supervisor:
         next_probe = next_watchdog = 0.0
         while not self._stop_requested:
             now = time.monotonic()
-            for child in self.children:
-                if child.process is None:
-                    if child.restart_at is not None and now >= child.restart_at:
-                        self.log.info("restarting", child=child.name, restarts=child.num_restarts)
-                        child.start()
-                    continue
-                code = child.poll()
-                if code is None:
-                    continue
-                if code == EXIT_CONFIG_ERROR:  # the child logged why (a taken port, a bad model)
-                    self.log.error("configuration_error", child=child.name)
-                    return EXIT_CONFIG_ERROR
-                if child.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-                    self.log.error("cannot_serve", child=child.name, exit_code=code)
-                    return EXIT_CANNOT_SERVE
-                delay = child.schedule_restart(now)
-                self.log.warning("child_exited", child=child.name, exit_code=code, restart_in_s=delay)
+            exit_code = self.watch_children(now)
+            if exit_code is not None:
+                return exit_code
             try:
                 self.pool.tick(now)
             except CannotServe as error:
@@ -139,6 +136,22 @@ class Supervisor:
                 self.notifier.watchdog()
             time.sleep(_TICK_S)
         return 0
+
+    def watch_children(self, now: float) -> int | None:
+        """The frontend and the gateway: restarted after the same back-off as the workers; the daemon's exit code
+        when one cannot serve (the child logged why: a taken port, a bad model)."""
+        for child in self.children:
+            if child.restart_due(now):
+                child.restart(now, self.log)
+            code = child.poll()
+            if code is None:
+                continue
+            reason = child.give_up_reason(code)
+            if reason is not None:
+                self.log.error(reason, child=child.name, exit_code=code)
+                return EXIT_CONFIG_ERROR if reason == "configuration_error" else EXIT_CANNOT_SERVE
+            child.back_off(code, now, self.log)
+        return None
 
     def _kill_stalled_schedulers(self) -> None:
         now_wall = time.time()
@@ -165,17 +178,15 @@ class Supervisor:
             if isinstance(message, ControlHello):
                 self.log.info("frontend_connected", frontend_id=message.frontend_id)
                 self._published_version = -1  # the whole set again, for a frontend that knows nothing
-                if self.config.tenants != self._initial_tenants:
-                    self.control.send(TenantsUpdate(list(self.config.tenants)))
+                self._tenants_applied = 0  # it starts with the configuration's own tenants
+                self._tenants_resend_at = 0.0
+            elif isinstance(message, TenantsApplied):
+                if message.version > self._tenants_applied:
+                    self.log.info("tenants_acknowledged", version=message.version)
+                self._tenants_applied = max(self._tenants_applied, message.version)
             elif isinstance(message, ScaleCommand):
                 if message.model_name in self.pool.rollouts:
-                    self.pool.scale(
-                        message.model_name,
-                        message.serving,
-                        message.standby,
-                        message.reason,
-                        prefill=message.role == "prefill",
-                    )
+                    self.pool.scale(message.model_name, message.serving, message.standby, message.reason, message.pool)
             elif isinstance(message, RolloutCommand):
                 result = handle_rollout(self.pool, message)
                 log = self.log.warning if result.error else self.log.info
@@ -186,6 +197,14 @@ class Supervisor:
                 self._publish()
                 self.control.send(result)
         self._publish()
+        self._send_tenants()
+
+    def _send_tenants(self) -> None:
+        """The reloaded tenants, once a second until the frontend says it applied them."""
+        now = time.monotonic()
+        if self._tenants_applied < self._tenants_version and now >= self._tenants_resend_at:
+            self._tenants_resend_at = now + _TENANTS_RESEND_S
+            self.control.send(TenantsUpdate(self._tenants_version, list(self.config.tenants)))
 
     def _publish(self) -> None:
         if self._published_version == self.pool.version:
@@ -197,7 +216,7 @@ class Supervisor:
                 self.pool.infos(),
                 self.pool.statuses(),
                 self.config.rollout_drain_timeout,
-                DrainTimeoutAction(self.config.on_drain_timeout),
+                DrainAction(self.config.on_drain_timeout),
             )
         )
 
@@ -215,7 +234,9 @@ class Supervisor:
             return
         self.config = reloaded.config
         self.log.info("config_reloaded", changes=reloaded.changes, needs_restart=reloaded.needs_restart)
-        self.control.send(TenantsUpdate(list(self.config.tenants)))
+        self._tenants_version += 1
+        self._tenants_resend_at = 0.0
+        self._send_tenants()
 
     def _is_serving(self) -> bool:
         """Our own listeners are bound (so the probes below reach our processes, not whoever held a port before
@@ -274,13 +295,15 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------------------------
 
     def _frontend_child(self) -> Child:
-        self._initial_tenants = self.config.tenants
-        spec = frontend_spec(self.config, self.runtime_dir, [w.spec for w in self.pool.workers])
-        return Child("frontend", "frontend", spec.to_json(), listening_path=Path(spec.listening_path))
+        spec = frontend_spec(self.config, self.runtime_dir, [w.spec for w in self.pool.workers],
+                             self._admin_token_sha256)  # fmt: skip
+        spec_path = write_spec_file(self.runtime_dir, "frontend", spec.to_json())
+        return self._make_child("frontend", "frontend", spec_path, listening_path=Path(spec.listening_path))
 
     def _gateway_child(self) -> Child:
         spec = gateway_spec(self.config, self.runtime_dir)
-        return Child("gateway", "frontend.gateway", spec.to_json(), listening_path=Path(spec.listening_path))
+        spec_path = write_spec_file(self.runtime_dir, "gateway", spec.to_json())
+        return self._make_child("gateway", "frontend.gateway", spec_path, listening_path=Path(spec.listening_path))
 
 
 def _systemd_runtime_dir() -> str | None:

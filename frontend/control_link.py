@@ -1,18 +1,19 @@
 """The frontend's end of the control channel with the daemon (frontend.control_messages).
 
-It applies every WorkerSet to the scheduler link as it arrives, hands SIGHUP's tenants to `on_tenants`, and sends
-operators' rollout commands on, each answered by the daemon's CommandResult.
+It applies every WorkerSet to the scheduler link as it arrives, hands SIGHUP's tenants to `on_tenants` (a newer
+version only, acknowledged), and sends operators' rollout commands on, each answered by the daemon's CommandResult.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import contextlib
 from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
+from common.lanes import Pool
 from frontend.control_messages import (
     CommandResult,
     ControlCodec,
@@ -20,6 +21,7 @@ from frontend.control_messages import (
     RolloutCommand,
     RolloutStatus,
     ScaleCommand,
+    TenantsApplied,
     TenantsUpdate,
     ToFrontend,
     WorkerSet,
@@ -40,7 +42,9 @@ class ControlLink:
     def __init__(self, link: SchedulerLink, control_address: str, daemon_address: str, secret: bytes, log):
         self._link = link
         self._log = log
-        self._codec = ControlCodec(PeerAuth(secret), "frontend", ToFrontend)
+        # It speaks first (the hello names it), so it takes only what the daemon addresses to it.
+        self._codec = ControlCodec(PeerAuth(secret), "frontend", ToFrontend, addressed_only=True)
+        self._tenants_version = 0  # the spec's tenants are the configuration's own: version 0
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
@@ -59,16 +63,16 @@ class ControlLink:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_forever(), name="daemon-control")
-        await self._outbox.send(self._codec.encode(ControlHello(uuid.uuid4().hex)))
+        await self._outbox.send(self._codec.encode(ControlHello(self._codec.boot)))
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
         self._context.destroy(linger=0)
 
-    async def scale(self, model_name: str, serving: int, standby: int, reason: str, role: str = "mixed") -> None:
+    async def scale(self, model_name: str, serving: int, standby: int, reason: str, pool: Pool = Pool.ROUTED) -> None:
         """The autoscaler's decision for one pool, to the daemon (no answer: the next WorkerSet shows what it did)."""
-        command = ScaleCommand(model_name, serving, standby, reason, role)
+        command = ScaleCommand(model_name, serving, standby, reason, pool)
         try:
             await self._outbox.send(self._codec.encode(command), zmq.NOBLOCK)
         except zmq.Again:
@@ -93,11 +97,11 @@ class ControlLink:
             if message is None:
                 continue
             try:
-                self._handle(message)
+                await self._handle(message)
             except Exception as error:  # one bad message must not stop the channel
                 self._log.error("message_failed", channel="control", error=repr(error), exc_info=True)
 
-    def _handle(self, message: ToFrontend) -> None:
+    async def _handle(self, message: ToFrontend) -> None:
         if isinstance(message, WorkerSet):
             if message.version > self._link.worker_set.version:
                 self._link.apply_worker_set(message)
@@ -106,4 +110,9 @@ class ControlLink:
             if future is not None and not future.done():
                 future.set_result(message)
         elif isinstance(message, TenantsUpdate):
-            self.on_tenants(message.tenants)
+            if message.version > self._tenants_version:  # an older one would bring back what a reload revoked
+                self.on_tenants(message.tenants)
+                self._tenants_version = message.version
+            # The daemon sends it again until it hears this: a lost answer is answered again.
+            with contextlib.suppress(zmq.Again):
+                await self._outbox.send(self._codec.encode(TenantsApplied(self._tenants_version)), zmq.NOBLOCK)

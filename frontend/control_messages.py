@@ -9,42 +9,28 @@ commands reach the frontend (Admin.Rollout) and go on to the supervisor, which a
 Each side binds a PULL socket in the daemon's private runtime directory and PUSHes to the other's. Every message
 travels in a Signed envelope whose MAC (the per-boot secret, gpu_runtime.ipc.peer_auth) names its sender, so
 bytes from anything but the daemon or its frontend are dropped. No pickle: decoding checks the schema.
+
+Signed is not enough against a replay (the same genuine bytes sent again: an old TenantsUpdate would restore
+revoked keys), so what the MAC covers is Stamped: the sender's incarnation (a random id per process), the
+incarnation it is addressed to, and a sequence number that rises with every message. A receiver takes a message
+only from its peer's latest incarnation, with a sequence above the last it took, and (the frontend) addressed to
+itself; everything else is logged and dropped. A daemon's boot has its own secret, so nothing crosses boots; a
+restarted frontend is a new incarnation, its predecessor's messages are refused from then on, and the daemon
+addresses it by the id of its hello, so nothing sent to the predecessor passes at the new one either.
 """
 
 from __future__ import annotations
 
-import enum
+import uuid
 
 import msgspec
 
+from common.lanes import DrainAction, Pool, Role, RolloutPhase, RolloutStrategy, WorkerState
 from frontend.spec import TenantSpec
 from gpu_runtime.ipc.peer_auth import PeerAuth
 
 DAEMON_SOCKET_FILE = "daemon-control.ipc"  # the supervisor binds it; the frontend pushes here
 FRONTEND_SOCKET_FILE = "frontend-control.ipc"  # the frontend binds it; the supervisor pushes here
-
-
-class WorkerState(enum.StrEnum):
-    """A worker's life (../shared/DESIGN.md, "Workers"): starting -> serving -> draining -> retired, or failed.
-
-    standby: loaded and warm but not routed (a canary held back, or pre-warmed capacity)."""
-
-    STARTING = "starting"  # the process is loading its model and warming up
-    STANDBY = "standby"
-    SERVING = "serving"  # takes new requests (if its generation is the one new requests go to)
-    DRAINING = "draining"  # takes no new requests; finishes its in-flight ones, then exits 0
-    RETIRED = "retired"
-    FAILED = "failed"  # crashed; restarted with backoff
-
-
-class RolloutStrategy(enum.StrEnum):
-    SURGE = "surge"  # new workers on spare groups first, then the old ones drain (maxUnavailable 0)
-    IN_PLACE = "in-place"  # one group at a time drains and restarts on the new weights (maxUnavailable 1)
-
-
-class DrainTimeoutAction(enum.StrEnum):
-    ABORT = "abort"  # a stream still running at the drain timeout ends with finish_reason "abort"
-    MIGRATE = "migrate"  # it is re-submitted (prompt + tokens so far) to a serving worker and goes on there
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -56,7 +42,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     epoch: int  # the model's rollout number this worker's weights belong to; new requests go to the highest serving
     path: str  # the weights it loads (its generation hash comes in its SchedulerReady)
     state: WorkerState
-    role: str = "mixed"
+    role: Role = Role.MIXED
     pid: int = 0
     warmup_seconds: float = 0.0  # from its start to its loop; 0 until it got there
     standby: bool = False  # started as a pre-warmed standby: once warm it waits unrouted until promoted
@@ -66,16 +52,14 @@ class RolloutStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One model's latest rollout, as Admin.GetRollout shows it."""
 
     model_name: str
-    # "none" (never rolled out), "rolling", "canary" (held at canary_percent), "done", "rolling-back" (its new
-    # weights failed to serve: back to the earlier ones), "failed" (back on the earlier ones)
-    phase: str
+    phase: RolloutPhase
     epoch: int
     path: str
     previous_path: str
     strategy: RolloutStrategy
     canary_percent: int
     events: list[str] = []  # the latest supervisor actions, oldest first
-    error: str = ""  # why it failed (phase "failed")
+    error: str = ""  # why it failed (RolloutPhase.FAILED)
 
 
 class WorkerSet(msgspec.Struct, frozen=True, tag="worker_set", forbid_unknown_fields=True):
@@ -83,7 +67,7 @@ class WorkerSet(msgspec.Struct, frozen=True, tag="worker_set", forbid_unknown_fi
     workers: list[WorkerInfo]
     rollouts: list[RolloutStatus]
     drain_timeout_s: float  # a draining worker's streams get this long before on_drain_timeout applies
-    on_drain_timeout: DrainTimeoutAction
+    on_drain_timeout: DrainAction
 
 
 class CommandResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fields=True):
@@ -94,8 +78,10 @@ class CommandResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fi
 
 
 class TenantsUpdate(msgspec.Struct, frozen=True, tag="tenants", forbid_unknown_fields=True):
-    """SIGHUP reloaded the tenants: the frontend authenticates and limits by these from now on."""
+    """SIGHUP reloaded the tenants: the frontend authenticates and limits by these from now on, if `version` is
+    above the one it has (the configuration's own, at start, is 0), and says so with a TenantsApplied."""
 
+    version: int  # increases with every reload of this daemon's boot
     tenants: list[TenantSpec]
 
 
@@ -112,7 +98,9 @@ class RolloutCommand(msgspec.Struct, frozen=True, tag="rollout", forbid_unknown_
     command_id: str
     model_name: str
     path: str  # "" with rollback
-    strategy: str = ""  # "" = surge when spare groups allow it, else in-place
+    # An operator's text, checked by the daemon so that a bad one is refused naming the field: a RolloutStrategy
+    # value, or "" = surge when spare groups allow it, else in-place.
+    strategy: str = ""
     canary_percent: int = 0  # 0 or 100: all new requests to the new weights; 1..99: that share, held there
     rollback: bool = False  # back to the weights before the latest rollout
 
@@ -124,11 +112,16 @@ class ScaleCommand(msgspec.Struct, frozen=True, tag="scale", forbid_unknown_fiel
     serving: int
     standby: int
     reason: str
-    # The pool: "prefill" (its prefill workers), or "decode"/"mixed" (the workers requests are routed to).
-    role: str = "mixed"
+    pool: Pool = Pool.ROUTED
 
 
-ToDaemon = ControlHello | RolloutCommand | ScaleCommand
+class TenantsApplied(msgspec.Struct, frozen=True, tag="tenants_applied", forbid_unknown_fields=True):
+    """The frontend authenticates by this version of the tenants: the daemon stops sending it."""
+
+    version: int
+
+
+ToDaemon = ControlHello | RolloutCommand | ScaleCommand | TenantsApplied
 
 
 class Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -137,32 +130,80 @@ class Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields
     mac: bytes
 
 
-class ControlCodec:
-    """Encodes and signs what one side sends; checks and decodes what it receives (None for anything forged)."""
+class Stamped(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a Signed envelope's MAC covers: who sent it (which incarnation), to whom, in which place, and the
+    message itself (its MessagePack, decoded by the receiver's schema)."""
 
-    def __init__(self, auth: PeerAuth, sender: str, receives: type):
+    boot: str  # the sender's incarnation: a random id per process
+    to: str  # the receiver's incarnation, as the sender last heard from it ("" before it has)
+    seq: int  # rises by one with every message this incarnation sends
+    message: msgspec.Raw
+
+
+class Replayed(Exception):
+    """A genuine message out of its place: sent again, to an earlier incarnation, or by one."""
+
+
+class ControlCodec:
+    """Encodes, stamps and signs what one side sends; checks and decodes what it receives (None for anything
+    forged, Replayed for a genuine message that is not new). `addressed_only`: take only messages addressed to this
+    incarnation (the frontend, which always speaks first, with a hello)."""
+
+    def __init__(self, auth: PeerAuth, sender: str, receives: type, boot: str | None = None,
+                 addressed_only: bool = False):  # fmt: skip
         self._auth = auth
         self._sender = sender
         self._peer = "frontend" if sender == "daemon" else "daemon"
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(receives)
         self._envelopes = msgspec.msgpack.Decoder(Signed)
+        self._stamps = msgspec.msgpack.Decoder(Stamped)
+        self.boot = boot or uuid.uuid4().hex
+        self._addressed_only = addressed_only
+        self._sent = 0
+        self.peer_boot = ""  # the peer incarnation messages are taken from now, and sent to
+        self._peer_seq = 0  # the last sequence taken from it
+        self._retired: set[str] = set()  # earlier incarnations of the peer: never taken again
 
     def encode(self, message: msgspec.Struct) -> bytes:
-        body = self._encoder.encode(message)
+        self._sent += 1
+        stamp = Stamped(self.boot, self.peer_boot, self._sent, msgspec.Raw(self._encoder.encode(message)))
+        body = self._encoder.encode(stamp)
         return self._encoder.encode(Signed(self._sender, body, self._auth.control_mac(self._sender, body)))
 
     def decode(self, data: bytes):
-        """The message; None when the MAC is not the peer's. Raises (any Exception) for bytes that are not one."""
+        """The message; None when the MAC is not the peer's; Replayed when it is genuine but not new. Raises (any
+        other Exception) for bytes that are not one."""
         envelope = self._envelopes.decode(data)
         if envelope.sender != self._peer or not self._auth.control_is_genuine(self._peer, envelope.body, envelope.mac):
             return None
-        return self._decoder.decode(envelope.body)
+        stamp = self._stamps.decode(envelope.body)
+        message = self._decoder.decode(stamp.message)
+        self._take(stamp)
+        return message
+
+    def _take(self, stamp: Stamped) -> None:
+        """Moves on to the stamp's place, or raises Replayed: the checks that make a captured message worthless."""
+        if stamp.to != self.boot and (stamp.to or self._addressed_only):
+            raise Replayed(f"addressed to incarnation {stamp.to!r}, not this one")
+        if stamp.boot in self._retired:
+            raise Replayed(f"from an earlier {self._peer} incarnation {stamp.boot!r}")
+        if stamp.boot == self.peer_boot and stamp.seq <= self._peer_seq:
+            raise Replayed(f"sequence {stamp.seq} is not above {self._peer_seq}, the last taken")
+        if stamp.boot != self.peer_boot:  # a restarted peer: its predecessor is never heard again
+            if self.peer_boot:
+                self._retired.add(self.peer_boot)
+            self.peer_boot = stamp.boot
+        self._peer_seq = stamp.seq
 
     def decode_or_drop(self, data: bytes, log):
-        """The message, or None for bytes that are not a genuine one (logged: bad bytes, or a forged MAC)."""
+        """The message, or None for bytes that are not a genuine, new one (logged: bad bytes, a forged MAC, or a
+        replay)."""
         try:
             message = self.decode(data)
+        except Replayed as replay:
+            log.warning("replayed_message", channel="control", sender=self._peer, reason=str(replay))
+            return None
         except Exception as error:  # see gpu_runtime.ipc.messages.Codec.decode
             log.warning("dropped_bad_message", channel="control", bytes=len(data), error=str(error)[:200])
             return None

@@ -1,4 +1,5 @@
-"""FrontendSpec: everything the frontend process needs, passed by the daemon as JSON on its command line."""
+"""FrontendSpec: everything the frontend process needs, passed by the daemon as a JSON file in its private runtime
+directory (only the file's path is on the command line, which `ps` shows to every user)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,11 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     daemon_control_address: str = ""  # ipc:// the daemon binds
     # A model with prefill and decode workers sends prompts at least this long to a prefill worker first.
     disagg_min_prompt_tokens: int = 64
+    # The boot's local admin token (daemon.admin_token) as its hex SHA-256, and the file the CLI reads the token
+    # from (named in a refusal). With no tenants, Drain and Rollout need it; with tenants it is an admin's key.
+    # "" = none (a frontend run alone): with no tenants those RPCs are then refused to everyone.
+    admin_token_sha256: str = ""
+    admin_token_path: str = ""
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -155,3 +161,12 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @classmethod
     def from_json(cls, text: str) -> FrontendSpec:
         return msgspec.json.decode(text, type=cls)
+
+
+def spec_text(argument: str) -> str:
+    """A child's spec from its command-line argument: the JSON itself (a test, `python -m frontend '{...}'`) or
+    the path of the 0600 file the daemon wrote it to, so that tenant key hashes never reach argv."""
+    if argument.lstrip().startswith("{"):
+        return argument
+    with open(argument, encoding="utf-8") as file:
+        return file.read()

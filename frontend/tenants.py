@@ -35,12 +35,10 @@ class Authenticator:
         """The calling tenant; None when authentication is off. UNAUTHENTICATED for a missing or unknown key."""
         if not self.enabled:
             return None
-        value = next((v for k, v in metadata or () if k == "authorization"), None)
-        if isinstance(value, bytes):
-            value = value.decode(errors="replace")
-        if not value or not value.startswith("Bearer ") or not value[7:].strip():
+        key = bearer_of(metadata)
+        if not key:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: send 'Bearer <API key>'")
-        digest = hashlib.sha256(value[7:].strip().encode()).hexdigest()
+        digest = hashlib.sha256(key.encode()).hexdigest()
         match = None
         for tenant in self.tenants:  # no early exit: every hash is compared, in constant time
             if hmac.compare_digest(digest, tenant.api_key_sha256):
@@ -48,6 +46,20 @@ class Authenticator:
         if match is None:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization: unknown API key")
         return match
+
+
+def bearer_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The key of a call's `authorization: Bearer <key>` metadata; "" when it sends none (or not as a bearer)."""
+    value = next((v for k, v in metadata or () if k == "authorization"), None)
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if not value or not value.startswith("Bearer "):
+        return ""
+    return value[7:].strip()
+
+
+def has_authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    return any(k == "authorization" for k, _ in metadata or ())
 
 
 def resolve_priority(tenant: TenantSpec | None, requested: Priority | None) -> Priority:

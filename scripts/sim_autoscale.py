@@ -43,7 +43,7 @@ from autoscale_sim.run import simulate  # noqa: E402
 from autoscale_sim.static_fleet import cheapest_static_fleet  # noqa: E402
 from autoscale_sim.traces import HIGH, TRACES, make_trace  # noqa: E402
 
-from common.autoscale_policy import StepTimeModel, worker_capacity  # noqa: E402
+from common.autoscale_policy import StepCost, worker_capacity  # noqa: E402
 
 MODES = {  # duration of each trace (s), warm-up times (s)
     "full": (1800.0, (30.0, 120.0, 300.0)),
@@ -92,9 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def step_model_from(args) -> tuple[StepTimeModel, dict]:
+def step_model_from(args) -> tuple[StepCost, dict]:
     if args.step_ms_base is not None:
-        model = StepTimeModel(args.step_ms_base, args.step_ms_per_token)
+        model = StepCost(args.step_ms_base, args.step_ms_per_token)
         return model, {"source": "flags", "base_ms": model.base_ms, "per_token_ms": model.per_token_ms}
     from autoscale_sim.measure import measure_step_model
 
@@ -103,7 +103,7 @@ def step_model_from(args) -> tuple[StepTimeModel, dict]:
                    "per_token_ms": round(model.per_token_ms, 4), **facts}  # fmt: skip
 
 
-def size_requests(model: StepTimeModel, args) -> tuple[int, int, float]:
+def size_requests(model: StepCost, args) -> tuple[int, int, float]:
     """Median prompt and output lengths (4:1) at which one worker's capacity within the TTFT target is
     --worker-rps, so that the traces' 1 -> 8 requests/s need several workers whatever the machine's speed."""
 
@@ -125,12 +125,12 @@ def mean_lengths(prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
     return prompt_tokens * math.exp(0.125), output_tokens * math.exp(0.125)
 
 
-def capacity_of(model: StepTimeModel, args) -> float:
+def capacity_of(model: StepCost, args) -> float:
     return worker_capacity(model, args.prompt_tokens, args.output_tokens, args.ttft_target_s * 0.8,
                            args.max_num_seqs, args.max_num_batched_tokens).requests_per_s  # fmt: skip
 
 
-def make_policies(limits: Limits, model: StepTimeModel, warmup_s: float, args, typical_request) -> list:
+def make_policies(limits: Limits, model: StepCost, warmup_s: float, args, typical_request) -> list:
     def tokend(**options) -> Tokend:
         return Tokend(limits, model, warmup_s, args.min_standby, args.max_num_batched_tokens, args.max_num_seqs,
                       typical_request=typical_request, **options)  # fmt: skip

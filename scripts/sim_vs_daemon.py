@@ -35,17 +35,17 @@ from collections import deque
 from pathlib import Path
 
 _SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]  # the project's packages, then scripts/
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS.parent / "tests"), str(_SCRIPTS)]  # project, harness, scripts/
 
 from autoscale_sim.cluster import Cluster, Request, ServingOverheads  # noqa: E402
 from autoscale_sim.daemon_replay import OtherLoad, idle_costs, replay  # noqa: E402
 from autoscale_sim.measure import measure_step_model  # noqa: E402
-from autoscale_sim.run import percentile  # noqa: E402
 from autoscale_sim.traces import draw_length  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 from machine_facts import machine_facts  # noqa: E402
 
-from common.autoscale_policy import StepTimeModel  # noqa: E402
-from daemon.local_daemon import LocalDaemon  # noqa: E402
+from common.autoscale_policy import StepCost  # noqa: E402
+from daemon.bench.metrics import percentile  # noqa: E402
 
 TOLERANCE = 0.25
 STARTED = time.monotonic()
@@ -90,7 +90,7 @@ def unit_arrivals(duration_s: float, rate: float, prompt: int, output: int, seed
         arrivals.append((t / rate, draw_length(rng, prompt, 16), draw_length(rng, output, 4)))
 
 
-def simulate_fixed(model: StepTimeModel, arrivals, workers: int, args, overheads: ServingOverheads | None = None):
+def simulate_fixed(model: StepCost, arrivals, workers: int, args, overheads: ServingOverheads | None = None):
     """The simulator's cluster with `workers` always warm and no autoscaler: each request's TTFT, and the share
     of the trace the workers spent stepping."""
     cluster = Cluster(model, args.max_num_seqs, args.max_num_batched_tokens, warmup_s=0.0, overheads=overheads)
@@ -108,7 +108,7 @@ def simulate_fixed(model: StepTimeModel, arrivals, workers: int, args, overheads
     return [r.first_token_at - r.arrival for r in requests], busy / (workers * max(end, now))
 
 
-def rate_for_load(model: StepTimeModel, args) -> tuple[float, float]:
+def rate_for_load(model: StepCost, args) -> tuple[float, float]:
     """The arrival rate at which the simulated workers are busy --load of the time (bisection on the rate)."""
     low, high = 0.05, 200.0
     for _ in range(30):
@@ -131,7 +131,7 @@ def daemon_flags(args) -> list[str]:
             "--no-enable-prefix-caching", "--max-queued-requests", "4096", "--log-level", "warning"]  # fmt: skip
 
 
-def measure_overheads(model: StepTimeModel, idle: dict, probe_prompts: list[int], args) -> ServingOverheads:
+def measure_overheads(model: StepCost, idle: dict, probe_prompts: list[int], args) -> ServingOverheads:
     """What the daemon adds to the simulator's model, from the idle probes. Each prompt's TTFT alone against the
     simulator's for it alone gives a line, daemon = request + scale * simulator (Theil-Sen: the median of the
     pairwise slopes, robust to a probe that another process delayed): the request's fixed cost, and how much

@@ -12,7 +12,7 @@ from common.autoscale_policy import (
     AutoscalePolicy,
     AutoscaleState,
     LoadSnapshot,
-    StepTimeModel,
+    StepCost,
     WorkerSnapshot,
     decide,
     fit_step_model,
@@ -143,7 +143,7 @@ def test_a_bad_setting_is_refused_naming_its_field(options, field):
         AutoscalePolicy(**options)
 
 
-def _samples(model: StepTimeModel, n: int, rng: random.Random) -> list[tuple[int, float]]:
+def _samples(model: StepCost, n: int, rng: random.Random) -> list[tuple[int, float]]:
     out = []
     for _ in range(n):
         tokens = rng.randrange(1, 1024)
@@ -153,7 +153,7 @@ def _samples(model: StepTimeModel, n: int, rng: random.Random) -> list[tuple[int
 
 def test_the_step_model_fit_recovers_known_coefficients_and_leaves_cold_steps_out():
     rng = random.Random(0)
-    truth = StepTimeModel(base_ms=12.0, per_token_ms=0.35)
+    truth = StepCost(base_ms=12.0, per_token_ms=0.35)
     cold = [(4000, 1400.0), (24, 300.0), (24, 310.0), (24, 290.0)]  # allocator and kernel warm-up
     samples = cold + _samples(truth, 400, rng)
     fitted = fit_step_model(samples, skip_first=len(cold))
@@ -174,7 +174,7 @@ def _arrivals(rate_at, seconds: float, rng: random.Random) -> list[tuple[float, 
 
 def test_the_forecast_rises_with_a_rising_trend():
     policy = AutoscalePolicy(max_workers=16)
-    model = StepTimeModel(base_ms=11.0, per_token_ms=0.36)
+    model = StepCost(base_ms=11.0, per_token_ms=0.36)
     flat = _arrivals(lambda t: 3.0, 300, random.Random(1))
     rising = _arrivals(lambda t: 1.0 + 4.0 * t / 300, 300, random.Random(1))  # 3 req/s on average, 5 at the end
     assert forecast_load(rising, 300, 120, policy).rate > forecast_load(flat, 300, 120, policy).rate + 1.5
@@ -196,7 +196,7 @@ def test_a_declared_peak_bounds_the_trend_but_not_the_load_already_seen():
 
 
 def test_worker_capacity_keeps_the_prefill_under_the_target():
-    model = StepTimeModel(base_ms=11.0, per_token_ms=0.36)
+    model = StepCost(base_ms=11.0, per_token_ms=0.36)
     loose = worker_capacity(model, 1024, 256, ttft_target_s=2.0, max_num_seqs=32, max_num_batched_tokens=512)
     tight = worker_capacity(model, 1024, 256, ttft_target_s=0.5, max_num_seqs=32, max_num_batched_tokens=512)
     assert loose.ttft_s <= 2.0 and loose.requests_per_s > 0

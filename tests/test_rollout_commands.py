@@ -53,7 +53,9 @@ def test_bad_commands_are_refused_naming_the_field(checkpoints):
         invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
         cases = [
             ({"model": "nope", "path": str(b)}, grpc.StatusCode.NOT_FOUND, "model:"),
-            ({"model": "m", "path": "/no/such/dir"}, invalid, "path:"),
+            ({"model": "m", "path": "/no/such/dir"}, precondition, "model_roots:"),  # outside: not even probed
+            ({"model": "m", "path": str(b.parent / "missing")}, invalid, "path:"),
+            ({"model": "m", "path": "B"}, invalid, "path:"),  # relative: whose working directory?
             ({"model": "m", "path": str(b), "strategy": "sideways"}, invalid, "strategy:"),
             ({"model": "m", "path": str(b), "canary_percent": 150}, invalid, "canary_percent:"),
             ({"model": "m", "rollback": True}, precondition, "rollback:"),
@@ -86,8 +88,9 @@ def test_canary_splits_new_requests_until_lifted_then_rollback_returns_to_the_ol
         assert [e["worker"] for e in daemon.log_entries("worker_retired")] == ["m/0"]
 
         # The command line, as an operator types it: back to A, waiting until it is done.
+        # No key given: the CLI sends the local admin token from the daemon's state directory.
         command = [sys.executable, "-m", "daemon.cli", "rollout", "--address", daemon.address, "--model", "m",
-                   "--rollback"]  # fmt: skip
+                   "--rollback", "--state-dir", daemon.state_dir]  # fmt: skip
         finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert finished.returncode == 0, finished.stderr
         assert "m: done (epoch 0" in finished.stdout and "rollback_started" in finished.stdout

@@ -1,4 +1,4 @@
-"""Whole rollouts walked step by step through daemon.rollout_plan.next_action, and the frontend's routing by them.
+"""Whole rollouts walked step by step through daemon.reconcile.reconcile, and the frontend's routing by them.
 
 A tiny simulator plays the worker pool: it carries out each action (a started worker loads, then serves; a drained
 one retires and frees its group) and checks, after every change, what a user of the model would notice: that a surge
@@ -14,25 +14,43 @@ from collections.abc import Callable
 
 import pytest
 
-from daemon.rollout_plan import (
+from common.lanes import DrainAction, RolloutPhase, RolloutStrategy, WorkerState
+from daemon.reconcile import (
     Action,
     Done,
     DrainWorkers,
     PlannedWorker,
+    PoolActual,
+    PoolTarget,
     StartWorker,
     StopWorkers,
     Stuck,
-    Target,
     Wait,
-    next_action,
+    reconcile,
+    rollout_settled,
 )
-from frontend.control_messages import DrainTimeoutAction, RolloutStatus, RolloutStrategy, WorkerSet, WorkerState
+from frontend.control_messages import RolloutStatus, WorkerSet
 from frontend.worker_set_view import WorkerSetView
 
 SURGE, IN_PLACE = RolloutStrategy.SURGE, RolloutStrategy.IN_PLACE
 SERVING, STARTING, DRAINING, FAILED = (WorkerState.SERVING, WorkerState.STARTING, WorkerState.DRAINING,
                                        WorkerState.FAILED)  # fmt: skip
 OLD, NEW = 0, 1  # epochs: the configuration's weights, and the rollout's
+
+
+
+def Target(epoch: int, strategy: RolloutStrategy, count: int, canary_percent: int = 0) -> PoolTarget:  # noqa: N802
+    """A rollout's target for a pool of `count` workers (the counts a scaling target would have too)."""
+    return PoolTarget(epoch, count, strategy=strategy, canary_percent=canary_percent)
+
+
+def next_action(target: PoolTarget, workers: list[PlannedWorker], free_slots: list[int]) -> Action:
+    """The reconciler's action for a pool whose free groups are all its own (an in-place rollout may take them)."""
+    actual = PoolActual(tuple(workers), own_slots=tuple(free_slots))
+    action = reconcile(target, actual, now=0.0)
+    assert rollout_settled(target, actual) == (action == Done()), (action, workers)  # the phase settles with it
+    return action
+
 
 # How the processes keep pace with the plan: "eager" (each action's effect shows before the plan is asked again),
 # or only while the plan waits, one worker at a time: loading ones first, or draining ones first.
@@ -135,15 +153,15 @@ def user_view(target: Target) -> Callable[[Model], None]:
         else:
             down = [w for w in model.workers if w.state != SERVING]
             assert len(down) <= 1, f"two groups down at once: {down}"
-            assert len(serving) >= target.target_count - 1, model.workers
+            assert len(serving) >= target.serving - 1, model.workers
 
     return watch
 
 
 def assert_all_on(model: Model, target: Target) -> None:
-    assert len(model.workers) == target.target_count, model.workers
+    assert len(model.workers) == target.serving, model.workers
     assert all(w.epoch == target.epoch and w.state == SERVING for w in model.workers), model.workers
-    assert len({w.slot for w in model.workers}) == target.target_count
+    assert len({w.slot for w in model.workers}) == target.serving
 
 
 # (strategy, workers, spare groups)
@@ -288,11 +306,11 @@ class Candidate:
 def view_with(*statuses: tuple[str, int, int]) -> WorkerSetView:
     """A view that received a set with these (phase, epoch, canary_percent) rollouts of models a, b, ..."""
     rollouts = [
-        RolloutStatus(chr(ord("a") + i), phase, epoch, f"/w/{epoch}", "/w/0", SURGE, percent)
+        RolloutStatus(chr(ord("a") + i), RolloutPhase(phase), epoch, f"/w/{epoch}", "/w/0", SURGE, percent)
         for i, (phase, epoch, percent) in enumerate(statuses)
     ]
     view = WorkerSetView()
-    view.update(WorkerSet(7, [], rollouts, drain_timeout_s=30.0, on_drain_timeout=DrainTimeoutAction.MIGRATE))
+    view.update(WorkerSet(7, [], rollouts, drain_timeout_s=30.0, on_drain_timeout=DrainAction.MIGRATE))
     assert (view.version, view.drain_timeout_s, view.on_drain_timeout) == (7, 30.0, "migrate")
     return view
 

@@ -1,13 +1,24 @@
-"""daemon.scaling_plan: the serving and standby counts the autoscaler asks for, one action at a time, a standby
-promoted before anything loads."""
+"""daemon.reconcile scaling a pool: the serving and standby counts the autoscaler asks for, one action at a time, a
+standby promoted before anything loads; and crash restart, a failed worker started again once its back-off is over."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.rollout_plan import DemoteWorkers, Done, DrainWorkers, PlannedWorker, PromoteWorkers, StartWorker, Wait
-from daemon.scaling_plan import next_scaling_action
-from frontend.control_messages import WorkerState
+from common.lanes import WorkerState
+from daemon.reconcile import (
+    DemoteWorkers,
+    Done,
+    DrainWorkers,
+    PlannedWorker,
+    PoolActual,
+    PoolTarget,
+    PromoteWorkers,
+    RestartWorkers,
+    StartWorker,
+    Wait,
+    reconcile,
+)
 
 SERVING, STANDBY, STARTING, DRAINING = (
     WorkerState.SERVING,
@@ -48,4 +59,19 @@ def workers(*states) -> list[PlannedWorker]:
     ],
 )
 def test_each_state_gets_the_one_action_that_moves_it_toward_the_counts(serving, standby, states, spare, expected):
-    assert next_scaling_action(serving, standby, workers(*states), spare) == expected
+    actual = PoolActual(tuple(workers(*states)), spare_slots=tuple(spare))
+    assert reconcile(PoolTarget(0, serving, standby), actual, now=0.0) == expected
+
+
+def test_a_failed_worker_restarts_once_its_back_off_is_over_and_nothing_else_moves_meanwhile():
+    failed = PlannedWorker("m/1", 0, FAILED, 1, restart_at=10.0)
+    actual = PoolActual((PlannedWorker("m/0", 0, SERVING, 0), failed), spare_slots=(2,))
+    target = PoolTarget(0, serving=3, standby=1)
+    assert reconcile(target, actual, now=9.9) == Wait("a worker is restarting")
+    assert reconcile(target, actual, now=10.0) == RestartWorkers(("m/1",))
+
+
+def test_a_failed_worker_of_other_weights_is_stopped_not_restarted():
+    failed = PlannedWorker("m/1", 0, FAILED, 1, restart_at=0.0)
+    actual = PoolActual((PlannedWorker("m/0@1", 1, SERVING, 0), failed))
+    assert reconcile(PoolTarget(1, serving=1), actual, now=5.0).worker_ids == ("m/1",)

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from common.lanes import DrainAction, KVLoadFailure, KVTransport
 from daemon.cli import build_parser
 from daemon.config import ServeConfig, load_serve_config
 from frontend.spec import AdmissionSpec
@@ -134,3 +135,69 @@ def test_a_bad_tenants_file_is_named(tmp_path, content, message):
         _load("--tenants-file", str(secret))
     with pytest.raises(ValueError, match="tenants_file: cannot read"):
         _load("--tenants-file", str(tmp_path / "absent.toml"))
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "member"),
+    [("kv_transfer_transport", "zmq", KVTransport.ZMQ), ("kv_load_failure", "fail", KVLoadFailure.FAIL),
+     ("on_drain_timeout", "migrate", DrainAction.MIGRATE)],  # fmt: skip
+)
+def test_an_enum_option_from_a_flag_or_the_file_is_its_member_and_a_bad_one_is_named(tmp_path, key, text, member):
+    flag = "--" + key.replace("_", "-")
+    assert getattr(_load(flag, text), key) is member
+    config = tmp_path / "tokend.toml"
+    config.write_text(f'{key} = "{text}"\n')
+    assert getattr(_load("--config", str(config)), key) is member
+    config.write_text(f'{key} = "sideways"\n')  # the file's text was once taken as it was
+    choices = "|".join(type(member))
+    with pytest.raises(ValueError, match=re.escape(f"{key}: must be one of {choices}, got 'sideways'")):
+        _load("--config", str(config))
+    with pytest.raises(ValueError, match=re.escape(f"{key}: must be one of {choices}, got 'sideways'")):
+        _load(flag, "sideways")
+
+
+@pytest.mark.parametrize("roles", [("--device", "cpu=prefill,cpu=decode"), ("--spare-devices", "cpu=prefill")])
+def test_tensor_parallelism_beside_prefill_or_decode_roles_is_refused_naming_both_keys(roles, capsys):
+    from daemon.cli import main
+
+    # Refused before anything starts: a handover would move only rank 0's KV shard.
+    assert main(["serve", "--tensor-parallel-size", "2", *roles]) == 78
+    error = capsys.readouterr().err
+    assert "tensor_parallel_size" in error and roles[0].removeprefix("--").replace("-", "_") in error
+    assert "=prefill" in error
+
+
+def test_the_worker_start_timeout_and_model_roots_are_options(tmp_path):
+    config = _load("--worker-start-timeout", "90", "--model-roots", "/srv/models", "--model-roots", "/opt/m")
+    assert (config.worker_start_timeout, config.model_roots) == (90.0, ("/srv/models", "/opt/m"))
+    assert _load().worker_start_timeout == 600.0
+    config_file = tmp_path / "tokend.toml"
+    config_file.write_text('model_roots = "/srv/models"\n')
+    assert _load("--config", str(config_file)).rollout_roots() == ["/srv/models"]
+    with pytest.raises(ValueError, match="^worker_start_timeout:"):
+        _load("--worker-start-timeout", "0")
+
+
+def test_a_config_or_tenants_file_others_may_read_is_warned_about_at_start(tmp_path):
+    from worker_fakes import FakeLog
+
+    from daemon.serve_command import warn_if_readable_by_others
+
+    config, tenants, private = tmp_path / "tokend.toml", tmp_path / "tenants.toml", tmp_path / "private.toml"
+    for path, mode in ((config, 0o644), (tenants, 0o640), (private, 0o600)):
+        path.write_text("")
+        path.chmod(mode)
+    log = FakeLog()
+    warn_if_readable_by_others(log, {"config": str(config), "tenants_file": str(tenants), "other": str(private)})
+    warned = [(level, event, fields["key"], fields["mode"]) for level, event, fields in log.entries]
+    assert warned == [("warning", "file_readable_by_others", "config", "0o644"),
+                      ("warning", "file_readable_by_others", "tenants_file", "0o640")]  # fmt: skip
+
+
+def test_metrics_need_the_token_beyond_loopback_with_tenants(tmp_path):
+    from frontend.spec import TenantSpec
+
+    tenant = TenantSpec("someone", "0" * 64)
+    assert ServeConfig(host="0.0.0.0", tenants=(tenant,)).metrics_need_token
+    assert not ServeConfig(host="127.0.0.1", tenants=(tenant,)).metrics_need_token
+    assert not ServeConfig(host="0.0.0.0", allow_unauthenticated=True).metrics_need_token

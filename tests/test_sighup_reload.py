@@ -61,8 +61,9 @@ def _finish(opened) -> int:
     return tokens + sum(len(response.token_ids) for response in stream)
 
 
-def _reload(daemon: Daemon, event: str) -> dict:
-    """Sends SIGHUP and returns the daemon's log record of the reload (`event`) that answered it."""
+def _refused_reload(daemon: Daemon, event: str) -> dict:
+    """Sends SIGHUP and returns the daemon's log record of the reload (`event`) that answered it. Only for a reload
+    that is refused: it changes nothing an API shows, so its log record, what an operator reads, is the check."""
     before = len(daemon.log_entries(event))
     daemon.process.send_signal(signal.SIGHUP)
     return daemon.wait_for(lambda: daemon.log_entries(event)[before:], timeout=30)[0]
@@ -75,9 +76,10 @@ def test_sighup_adds_and_removes_tenants_with_no_stream_interrupted(config_file)
         assert _refusal(daemon, "bob") == grpc.StatusCode.UNAUTHENTICATED
 
         config_file.write_text("max_queued_requests = 7\n" + _tenants("alice", "bob"))
-        reloaded = _reload(daemon, "config_reloaded")
-        # The frontend takes the new tenants a moment after the daemon logs them.
+        daemon.process.send_signal(signal.SIGHUP)
+        # Reloaded once the frontend takes the new tenants; the daemon logged its report before it sent them.
         daemon.wait_for(lambda: _refusal(daemon, "bob") is None, timeout=30)
+        (reloaded,) = daemon.log_entries("config_reloaded")
 
         assert _refusal(daemon, "carol") == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as refused:
@@ -100,11 +102,11 @@ def test_a_bad_file_is_refused_whole_and_the_running_tenants_stay(config_file):
     with Daemon("--config", str(config_file)) as daemon:
         # Bob is fine, the third tenant's hash is not: bob is not taken either.
         config_file.write_text(_tenants("alice", "bob") + '[[tenants]]\nname = "eve"\napi_key_sha256 = "abc"\n')
-        refused = _reload(daemon, "config_reload_refused")
+        refused = _refused_reload(daemon, "config_reload_refused")
         assert refused["error"].startswith("tenants[2].api_key_sha256:")
 
         config_file.write_text("")  # no tenants at all would turn authentication off
-        refused = _reload(daemon, "config_reload_refused")
+        refused = _refused_reload(daemon, "config_reload_refused")
         assert refused["error"].startswith("tenants:")
 
         assert daemon.process.poll() is None

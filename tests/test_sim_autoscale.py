@@ -49,10 +49,10 @@ def test_the_oracle_meets_the_goal_for_no_more_worker_seconds_than_any_policy_th
     from autoscale_sim.traces import make_trace
     from sim_autoscale import make_policies, mean_lengths, parse_args, size_requests
 
-    from common.autoscale_policy import StepTimeModel
+    from common.autoscale_policy import StepCost
 
     args = parse_args(["--step-ms-base", "11.4", "--step-ms-per-token", "0.358"])
-    model = StepTimeModel(11.4, 0.358)
+    model = StepCost(11.4, 0.358)
     prompt, output, capacity = size_requests(model, args)
     trace = make_trace("step_burst", 300.0, prompt, output, seed=0)
     limits = Limits(args.min_workers, args.max_workers, args.scale_down_delay_s, args.ttft_target_s)
@@ -72,10 +72,10 @@ def _setup(warmup_s: float, duration_s: float = 300.0):
     from autoscale_sim.traces import make_trace
     from sim_autoscale import parse_args, size_requests
 
-    from common.autoscale_policy import StepTimeModel
+    from common.autoscale_policy import StepCost
 
     args = parse_args(["--step-ms-base", "11.4", "--step-ms-per-token", "0.358"])
-    model = StepTimeModel(11.4, 0.358)
+    model = StepCost(11.4, 0.358)
     prompt, output, _ = size_requests(model, args)
     trace = make_trace("step_burst", duration_s, prompt, output, seed=0)
     limits = Limits(args.min_workers, args.max_workers, args.scale_down_delay_s, args.ttft_target_s)
@@ -121,11 +121,11 @@ def test_a_demoted_worker_finishes_its_streams_and_serves_again_without_a_warm_u
     c.advance(deque(), 0.05)
     busy = [w for w in c.workers if w.running]
     assert busy
-    c.reconcile(0.05, desired=1, standby=1)  # down by one while a standby is wanted: demoted, not retired
+    c.actuate(0.05, desired=1, standby=1)  # the daemon reconciler: the newest serving worker demoted, not retired
     assert len(c.workers) == 2 and len(c.standbys(0.05)) == 1
     demoted = c.standbys(0.05)[0]
     c.advance(deque(), 60.0)  # its streams run to the end, though it takes nothing new
     assert not demoted.running and all(w.running == 0 for w in c.workers)
     assert len(c.ttfts) == 4
-    c.reconcile(60.0, desired=2, standby=0)  # promoted again: serving at once, no warm-up
+    c.actuate(60.0, desired=2, standby=0)  # promoted again: serving at once, no warm-up
     assert len(c.serving(60.0)) == 2 and c.worker_seconds(60.0) == 120.0

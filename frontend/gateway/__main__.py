@@ -1,5 +1,5 @@
-"""Entry point of the gateway: `python -m frontend.gateway '<GatewaySpec JSON>'` (spawned by the daemon), or
-`tokend gateway --address ADDR` on its own."""
+"""Entry point of the gateway: `python -m frontend.gateway <GatewaySpec file>` (spawned by the daemon; the JSON
+itself works too), or `tokend gateway --address ADDR` on its own."""
 
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str]) -> int:
     from common.child_process import become_child
+    from frontend.spec import spec_text
 
-    spec = GatewaySpec.from_json(argv[1])
+    spec = GatewaySpec.from_json(spec_text(argv[1]))
     become_child("tokend: gateway")
     return run_gateway(spec)
 

@@ -15,16 +15,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.metrics_server import UNAUTHORIZED_TEXT, bearer_allowed
+from frontend.metrics_server import TOKEN_REQUIRED_TEXT, UNAUTHORIZED_TEXT, bearer_allowed
 
 _FETCH_TIMEOUT_S = 2.0  # well under Prometheus's default scrape timeout (10 s)
 
 
 class MetricsEndpoint:
-    def __init__(self, registry: CollectorRegistry, engine_socket: str = "", token_sha256: str = ""):
+    def __init__(self, registry: CollectorRegistry, engine_socket: str = "", token_sha256: str = "",
+                 require_token: bool = False):  # fmt: skip
         self._registry = registry
         self._engine_socket = engine_socket  # "": a gateway run alone, whose metrics are its own only
         self._token_sha256 = token_sha256
+        # A public host with tenants and no token set: refused, as the frontend's metrics port refuses them.
+        self._refuse_all = require_token and not token_sha256
         self._engine_up = None
         if engine_socket:
             self._engine_up = Gauge(
@@ -34,6 +37,8 @@ class MetricsEndpoint:
             )
 
     async def response(self, request: Request) -> Response:
+        if self._refuse_all:
+            return Response(TOKEN_REQUIRED_TEXT, 403, media_type="text/plain")
         if not bearer_allowed(request.headers.get("authorization", ""), self._token_sha256):
             return Response(UNAUTHORIZED_TEXT, 401, {"WWW-Authenticate": "Bearer"}, media_type="text/plain")
         engine = b""

@@ -41,7 +41,9 @@ class GatewayRoutes:
             "tokend:http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
         self.open_streams = Gauge("tokend:http_streams_open", "SSE streams open", registry=self.registry)
-        self.metrics_endpoint = MetricsEndpoint(self.registry, spec.metrics_socket, spec.metrics_token_sha256)
+        self.metrics_endpoint = MetricsEndpoint(
+            self.registry, spec.metrics_socket, spec.metrics_token_sha256, spec.metrics_require_token
+        )
 
     async def open(self) -> None:
         self.channel = grpc.aio.insecure_channel(self.spec.grpc_address)

@@ -26,6 +26,8 @@ class GatewaySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # after the gateway's own. "" (the gateway run alone): its own only.
     metrics_socket: str = ""
     metrics_token_sha256: str = ""  # hex SHA-256 of the bearer token /metrics requires; "" = none
+    # A public --host with tenants: /metrics is refused (403, naming metrics_token_sha256) while no token is set.
+    metrics_require_token: bool = False
     # Created once this process's own listener is bound: the daemon's proof that it is ours ("" = none).
     listening_path: str = ""
 

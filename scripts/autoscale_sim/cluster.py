@@ -7,18 +7,35 @@ wait plus its prefill. A worker takes a request from the frontend queue (the old
 its unfinished prefill fits in one step: the router sends work where it can start now, as a least-loaded router.
 
 Workers are starting (loading, billed, not serving), standby (warm, billed, not routed), serving, or draining
-(billed, taking no new work, retired when empty). The control loop runs every `tick_s` at tick boundaries.
+(billed, taking no new work, retired when empty). The control loop runs every `tick_s` at tick boundaries, and the
+daemon's own reconciler (daemon.reconcile) moves the workers toward the counts it asks for, one action per supervisor
+tick. A worker's projected TTFT is the scheduler's projection (gpu_runtime.latency.prefill_seconds) over its step
+cost: only the clock, the arrivals and the engine's step times are simulated.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.autoscale_policy import StepTimeModel, WorkerSnapshot
+from common.autoscale_policy import StepCost, WorkerSnapshot
+from common.lanes import WorkerState
+from daemon.reconcile import (
+    DemoteWorkers,
+    DrainWorkers,
+    PlannedWorker,
+    PoolActual,
+    PoolTarget,
+    PromoteWorkers,
+    StartWorker,
+    reconcile,
+)
+from gpu_runtime.latency import StepTimeModel, prefill_seconds
+
+ACTIONS_PER_TICK = 10  # the supervisor reconciles every 0.1 s (daemon.supervisor), the autoscaler ticks every 1 s
+_GROUPS = 256  # groups the simulated machines have: never the bound (max_workers is)
 
 
 @dataclass(slots=True)
@@ -45,6 +62,7 @@ class ServingOverheads:
 
 @dataclass(eq=False, slots=True)
 class Worker:
+    slot: int
     started_at: float
     ready_at: float
     standby: bool = False
@@ -63,9 +81,16 @@ class Worker:
     def prefill_backlog(self) -> int:
         return sum(r.prefill_left for r in self.prefilling)
 
+    def state(self, now: float) -> WorkerState:
+        if self.draining:
+            return WorkerState.DRAINING
+        if self.ready_at > now:
+            return WorkerState.STARTING
+        return WorkerState.STANDBY if self.standby else WorkerState.SERVING
+
 
 class Cluster:
-    def __init__(self, model: StepTimeModel, max_num_seqs: int, max_num_batched_tokens: int, warmup_s: float,
+    def __init__(self, model: StepCost, max_num_seqs: int, max_num_batched_tokens: int, warmup_s: float,
                  overheads: ServingOverheads | None = None):  # fmt: skip
         self.model = model
         self.overheads = overheads or ServingOverheads()
@@ -76,13 +101,20 @@ class Cluster:
         self.queue: deque[Request] = deque()
         self.ttfts: list[tuple[float, float]] = []  # (first token time, ttft) in the order they came
         self.retired_worker_seconds = 0.0
+        self._step_time = StepTimeModel()  # the scheduler's model of the same step cost, in seconds
+        self._step_time.coefficients = (model.base_ms / 1e3, model.per_token_ms / 1e3, 0.0)
 
     # ----- membership -----
     def add_warm(self, now: float, standby: bool = False) -> None:
-        self.workers.append(Worker(started_at=now, ready_at=now, standby=standby, clock=now))
+        self.workers.append(Worker(self._free_slot(), started_at=now, ready_at=now, standby=standby, clock=now))
 
-    def start(self, now: float, standby: bool = False) -> None:
-        self.workers.append(Worker(started_at=now, ready_at=now + self.warmup_s, standby=standby, clock=now))
+    def start(self, now: float, standby: bool = False, slot: int | None = None) -> None:
+        slot = self._free_slot() if slot is None else slot
+        self.workers.append(Worker(slot, started_at=now, ready_at=now + self.warmup_s, standby=standby, clock=now))
+
+    def _free_slot(self) -> int:
+        held = {w.slot for w in self.workers}
+        return next(slot for slot in range(_GROUPS) if slot not in held)
 
     def serving(self, now: float) -> list[Worker]:
         return [w for w in self.workers if w.ready_at <= now and not w.standby and not w.draining]
@@ -91,44 +123,42 @@ class Cluster:
         return [w for w in self.workers if w.ready_at > now and w.standby == standby and not w.draining]
 
     def standbys(self, now: float) -> list[Worker]:
-        return [w for w in self.workers if w.ready_at <= now and w.standby]
+        return [w for w in self.workers if w.ready_at <= now and w.standby and not w.draining]
 
     def billed(self) -> int:
         return len(self.workers)
 
-    def reconcile(self, now: float, desired: int, standby: int) -> None:
-        """Move toward `desired` workers serving or starting toward serving: promote standbys first (a routing
-        flip), then start cold ones; going down, cancel the newest start, else take the least busy server out of
-        routing: it becomes a standby if fewer than `standby` are kept (its streams finish on it), else it drains
-        and retires. Then keep `standby` standbys warm or warming, stopping any beyond them."""
-        current = len(self.serving(now)) + len(self.starting(now, standby=False))
-        while current < desired:
-            ready = self.standbys(now) or self.starting(now, standby=True)
-            if ready:
-                ready[0].standby = False
-            else:
-                self.start(now)
-            current += 1
-        while current > desired:
-            cold = self.starting(now, standby=False)
-            if cold:
-                self._retire(cold[-1], now)
-            else:
-                victim = min(self.serving(now), key=lambda w: w.running)
-                if len([w for w in self.workers if w.standby]) < standby:
-                    victim.standby = True  # demoted: a routing flip back
-                else:
-                    victim.draining = True
-                    if not victim.running:
-                        self._retire(victim, now)
-            current -= 1
-        standbys = [w for w in self.workers if w.standby]
-        for _ in range(standby - len(standbys)):
-            self.start(now, standby=True)
-        surplus = max(0, len(standbys) - standby)
-        for extra in sorted(standbys, key=lambda w: (w.ready_at <= now, -w.started_at))[:surplus]:
-            if not extra.running:  # a demoted one still finishing its streams is kept until the next tick
-                self._retire(extra, now)
+    def actuate(self, now: float, desired: int, standby: int) -> None:
+        """The daemon's side of a scale command: `desired` workers serving or starting toward serving and
+        `standby` warm standbys, reached by daemon.reconcile one action per supervisor tick."""
+        target = PoolTarget(0, max(1, desired), standby)
+        for _ in range(ACTIONS_PER_TICK):
+            held = {w.slot for w in self.workers}
+            planned = tuple(PlannedWorker(str(w.slot), 0, w.state(now), w.slot, w.standby) for w in self.workers)
+            actual = PoolActual(planned, spare_slots=tuple(s for s in range(_GROUPS) if s not in held))
+            action = reconcile(target, actual, now)
+            if not self._carry_out(action, now):
+                return
+
+    def _carry_out(self, action, now: float) -> bool:
+        """One action's effect, at once (a start begins loading); False for one that does nothing (Wait, Done)."""
+        chosen = [w for w in self.workers if str(w.slot) in getattr(action, "worker_ids", ())]
+        if isinstance(action, StartWorker):
+            self.start(now, action.standby, action.slot)
+        elif isinstance(action, PromoteWorkers):
+            for worker in chosen:
+                worker.standby = False  # one still loading serves once warm
+        elif isinstance(action, DemoteWorkers):
+            for worker in chosen:
+                worker.standby = True  # a routing flip back: its streams finish on it
+        elif isinstance(action, DrainWorkers):
+            for worker in chosen:
+                worker.standby, worker.draining = False, True
+                if not worker.running:
+                    self._retire(worker, now)
+        else:
+            return False
+        return True
 
     def _retire(self, worker: Worker, now: float) -> None:
         self.retired_worker_seconds += now - worker.started_at
@@ -139,11 +169,11 @@ class Cluster:
 
     # ----- load indicators -----
     def projected_ttft_s(self, worker: Worker, now: float, prompt_tokens: float) -> float:
-        """A new prompt's wait on this worker: the rest of its current step, then the prefill ahead of it plus its
-        own in full-budget steps beside the decodes (the scheduler's own projection, in miniature)."""
-        per_step = max(1, self.budget - len(worker.decode_ends))
-        steps = math.ceil((worker.prefill_backlog + prompt_tokens) / per_step)
-        return max(0.0, worker.clock - now) + steps * self.model.step_ms(self.budget) / 1e3
+        """A new prompt's wait on this worker: the rest of its current step, then the scheduler's projection of
+        the prefill ahead of it plus its own beside the decodes."""
+        ahead = worker.prefill_backlog + round(prompt_tokens)
+        return max(0.0, worker.clock - now) + prefill_seconds(self._step_time, self.budget, len(worker.decode_ends),
+                                                              ahead)  # fmt: skip
 
     def snapshots(self, now: float, prompt_tokens: float) -> list[WorkerSnapshot]:
         return [

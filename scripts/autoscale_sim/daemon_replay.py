@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from tokend.v1 import tokend_pb2 as pb
+from daemon.bench.stream_client import greedy_request, stream_generate
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 REQUEST_TIMEOUT_S = 600.0
@@ -25,24 +25,11 @@ def prompt_ids(rng: random.Random, length: int) -> list[int]:
 
 
 async def generate(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy ignore_eos Generate to its end: its time to first token, and the mean time per token after it
-    (the span from the first token to the last over the tokens between: chunks a slow reader finds buffered
-    together do not skew it)."""
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-    )
-    sent = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async for chunk in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-        if not chunk.token_ids:
-            continue
-        last = time.perf_counter()
-        first = first if first is not None else last
-        tokens += len(chunk.token_ids)
-    per_token = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"ttft": None if first is None else first - sent, "per_token_s": per_token, "tokens": tokens}
+    """One greedy ignore_eos Generate to its end: its time to first token, and the mean time per token after it."""
+    stream = await stream_generate(stub, greedy_request(prompt, max_tokens), timeout=REQUEST_TIMEOUT_S)
+    if stream.error is not None:
+        raise RuntimeError(stream.error)
+    return {"ttft": stream.ttft, "per_token_s": stream.per_token_s, "tokens": stream.tokens}
 
 
 async def replay(address: str, arrivals: list[tuple[float, int, int]], seed: int) -> list[dict]:

@@ -9,12 +9,12 @@ import statistics
 import time
 from collections import defaultdict
 
-from common.autoscale_policy import StepTimeModel, fit_step_model
+from common.autoscale_policy import StepCost, fit_step_model
 
 SKIP_FIRST = 8
 
 
-def measure_step_model(seconds: float, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[StepTimeModel, dict]:
+def measure_step_model(seconds: float, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[StepCost, dict]:
     import torch
 
     from gpu_runtime import SamplingParams

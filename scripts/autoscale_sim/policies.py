@@ -8,33 +8,27 @@ serving or starting toward serving (the cluster reconciles). All share the floor
                     / target_ongoing_requests=2), evaluated every 10 s, up only after 30 s of wanting it.
   reactive_ttft     observed TTFT p90 of the last 30 s over the target: +1 worker (one start in flight at a time);
                     p90 under half the target with an empty queue for the scale-down delay: -1.
-  tokend            common.autoscale_policy: decide() every tick on projected TTFT + queue wait and queue depth,
-                    forecast_floor() every 2 s over the warm-up horizon, and warm standbys for the peak
-                    (standby_target: the operator's declared peak rate, or the busiest window remembered, whichever
-                    is higher; min_standby at least); scaling down demotes a worker to standby while the peak's
-                    reserve wants one.
+  tokend            the frontend's own per-tick decision (frontend.autoscale_decision.decide_pool over
+                    frontend.autoscale_inputs.AutoscaleInputs): decide() on projected TTFT + queue wait and queue
+                    depth, forecast_floor() over the warm-up horizon, and warm standbys for the peak (the operator's
+                    declared peak rate, or the busiest window remembered, whichever is higher; min_standby at
+                    least); the daemon's reconciler then demotes a worker to standby while the peak's reserve wants
+                    one.
   tokend_learned_peak  the same with no declared peak: it holds warm workers only for the peaks it has seen.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
 
 from autoscale_sim.cluster import Cluster
-from common.autoscale_policy import (
-    AutoscalePolicy,
-    AutoscaleState,
-    LoadSnapshot,
-    StepTimeModel,
-    decide,
-    forecast_floor,
-    peak_rate,
-    standby_target,
-    worker_capacity,
-)
+from common.autoscale_policy import AutoscalePolicy, AutoscaleState, StepCost, standby_target, worker_capacity
+from frontend.autoscale_decision import PoolView, Sizing, decide_pool
+from frontend.autoscale_inputs import AutoscaleInputs
+
+MODEL = "sim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +155,9 @@ class ReactiveTtft:
 
 
 class Tokend:
-    def __init__(self, limits: Limits, step_model: StepTimeModel, warmup_s: float, min_standby: int,
+    def __init__(self, limits: Limits, step_model: StepCost, warmup_s: float, min_standby: int,
                  max_num_batched_tokens: int, max_num_seqs: int, peak_rps: float = 0.0,
-                 typical_request: tuple[float, float] = (0.0, 0.0), floor_every_s: float = 2.0,
-                 name: str = "tokend"):  # fmt: skip
+                 typical_request: tuple[float, float] = (0.0, 0.0), name: str = "tokend"):  # fmt: skip
         self.name = name
         self.policy = AutoscalePolicy(
             max_workers=limits.max_workers,
@@ -173,52 +166,44 @@ class Tokend:
             scale_down_delay_s=limits.scale_down_delay_s,
             peak_rps=peak_rps,
         )
-        self.limits, self.step_model, self.warmup_s = limits, step_model, warmup_s
-        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.floor_every_s = floor_every_s
+        self.limits, self.warmup_s = limits, warmup_s
+        self.sizing = Sizing(step_model, max_num_seqs, max_num_batched_tokens)  # known: the engine's step cost
         self.state = AutoscaleState()
-        self.floor = limits.min_workers
+        self.inputs = AutoscaleInputs(self.policy.forecast_history_s, self.policy.forecast_window_s,
+                                      self.policy.peak_memory_s)  # fmt: skip
+        self.fed = 0  # arrivals already given to the inputs
         self.reasons: dict[str, int] = {}
-        self.window_counts: dict[int, int] = {}  # arrivals per forecast window, for the peak
-        self.counted = 0  # arrivals already in window_counts
+        self.desired = limits.min_workers
         # what the daemon starts with: the standbys its configured peak asks for, sized by a typical request
-        self.standby_wanted = self._standbys(peak_rps, *typical_request, active=limits.min_workers)
-
-    def _standbys(self, peak_rps: float, prompt: float, output: float, active: int, now: float = 0.0) -> int:
-        target_s = self.policy.ttft_fraction * self.limits.ttft_target_s
-        capacity = worker_capacity(self.step_model, prompt, output, target_s, self.max_num_seqs,
-                                   self.max_num_batched_tokens)  # fmt: skip
-        return standby_target(peak_rps, capacity.requests_per_s, active, now, self.policy, self.state)
+        target_s = self.policy.ttft_fraction * limits.ttft_target_s
+        capacity = worker_capacity(step_model, *typical_request, target_s, max_num_seqs, max_num_batched_tokens)
+        self.standby_wanted = standby_target(peak_rps, capacity.requests_per_s, limits.min_workers, 0.0, self.policy,
+                                             self.state)  # fmt: skip
 
     def tick(self, cluster: Cluster, seen: Observed) -> int:
-        recent = seen.arrivals[-200:]
-        prompt = sum(a[1] for a in recent) / len(recent) if recent else 0.0
-        output = sum(a[2] for a in recent) / len(recent) if recent else 0.0
-        if seen.now % self.floor_every_s == 0:
-            since = bisect.bisect_left(seen.arrivals, (seen.now - self.policy.forecast_history_s,))
-            self.floor = forecast_floor(
-                seen.arrivals[since:], seen.now, self.warmup_s, self.step_model, self.policy,
-                ttft_target_s=self.limits.ttft_target_s, max_num_seqs=cluster.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-            )  # fmt: skip
-        snapshot = LoadSnapshot(
+        for arrived, prompt, output in seen.arrivals[self.fed :]:
+            self.inputs.request_finished(MODEL, arrived, prompt, output)
+        self.fed = len(seen.arrivals)
+        arrivals = self.inputs.arrivals(MODEL)
+        if not arrivals:
+            return self.desired  # the load has not begun: the daemon's starting fleet holds
+        prompt = sum(a[1] for a in arrivals) / len(arrivals)
+        view = PoolView(
             now=seen.now,
             workers=cluster.snapshots(seen.now, prompt),
             queue_depth=len(cluster.queue),
             queue_wait_s=cluster.queue_wait_s(seen.now),
-            ttft_target_s=self.limits.ttft_target_s,
             num_standby=len(cluster.standbys(seen.now)),
             num_starting=len(cluster.starting(seen.now, standby=False)),
+            arrivals=arrivals,
+            window_counts=self.inputs.window_counts(MODEL),
+            sizing=self.sizing,
+            warmup_s=self.warmup_s,
         )
-        decision = decide(snapshot, self.policy, self.state, floor=self.floor)
+        verdict = decide_pool(view, False, 0, self.limits.ttft_target_s, self.policy, self.state)
+        decision = verdict.decision
         if decision.direction != "hold":
             key = f"{decision.direction}:{decision.reason}"
             self.reasons[key] = self.reasons.get(key, 0) + 1
-        for t, _, _ in seen.arrivals[self.counted :]:
-            window = int(t // self.policy.forecast_window_s)
-            self.window_counts[window] = self.window_counts.get(window, 0) + 1
-        self.counted = len(seen.arrivals)
-        if recent:
-            peak = peak_rate(self.window_counts, seen.now, self.policy)
-            self.standby_wanted = self._standbys(peak, prompt, output, decision.desired, seen.now)
+        self.desired, self.standby_wanted = decision.desired, verdict.standby
         return decision.desired

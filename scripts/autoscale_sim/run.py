@@ -6,6 +6,7 @@ from collections import deque
 
 from autoscale_sim.cluster import Cluster, Request
 from autoscale_sim.policies import Observed
+from daemon.bench.metrics import percentile
 
 TICK_S = 1.0
 DRAIN_LIMIT_S = 600.0  # after the trace ends, requests still unserved by then count as misses
@@ -33,7 +34,7 @@ def simulate(policy, trace, cluster: Cluster, limits, record_every_s: float = 5.
         scale_downs += desired < last_desired
         last_desired = desired
         desired_history.append(desired)
-        cluster.reconcile(now, desired, policy.standby_wanted)
+        cluster.actuate(now, desired, policy.standby_wanted)
         if now % record_every_s == 0:
             timeline.append(
                 {
@@ -46,13 +47,6 @@ def simulate(policy, trace, cluster: Cluster, limits, record_every_s: float = 5.
     ttfts = [r.first_token_at - r.arrival if r.first_token_at is not None else None for r in requests]
     return summarize(ttfts, limits.ttft_target_s, cluster.worker_seconds(now), scale_ups, scale_downs,
                      desired_history, timeline, getattr(policy, "reasons", None))  # fmt: skip
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summarize(ttfts, target_s, worker_seconds, scale_ups, scale_downs, desired, timeline, reasons) -> dict:

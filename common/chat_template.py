@@ -9,13 +9,15 @@ The jinja environment is transformers' own (`utils/chat_template_utils.py`, `_co
 immutable sandbox with trim_blocks/lstrip_blocks, loop controls, a `{% generation %}` tag, a `tojson` that does
 not escape HTML, `raise_exception` and `strftime_now`. Templates compile when the model loads, so a broken one
 fails the start naming its file; they render on a worker thread with a time limit, so that a pathological
-template or conversation cannot stall the frontend's loop.
+template or conversation cannot stall the frontend's loop, and with a step budget and bounded `*` and `**`, so that
+one cannot keep that thread (or the process's memory) after its request has failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -27,6 +29,12 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 RENDER_TIMEOUT_S = 1.0
+# Template lines one render may execute: real templates take a few thousand for a long conversation; a loop that
+# would run for minutes stops here, on its own thread, soon after its request failed at RENDER_TIMEOUT_S.
+MAX_RENDER_STEPS = 2_000_000
+MAX_PRODUCT_ITEMS = 1_000_000  # the longest string or list `*` may build in a template ("=" * 80 is the use)
+MAX_EXPONENT = 1024
+_TEMPLATE_FILENAME = "<template>"  # what jinja names a template compiled from a string
 MAX_MESSAGES = 256
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # what transformers' save_pretrained writes
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
@@ -99,10 +107,14 @@ class ChatTemplate:
         # A request's kwargs may shadow the special tokens, never the conversation itself.
         variables = {**self._special_tokens, **(template_kwargs or {})}
         variables.update(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
+        previous_trace = sys.gettrace()
+        sys.settrace(_StepBudget(MAX_RENDER_STEPS))
         try:
             rendered = template.render(variables)
         except TemplateError as error:
             raise ChatTemplateError(f"messages: the model's chat template refused them: {error}") from None
+        finally:
+            sys.settrace(previous_trace)
         return rendered if final is None else _cut_at_continuation(rendered, final)
 
     async def render_async(self, messages: list[dict], timeout: float = RENDER_TIMEOUT_S, **options) -> str:
@@ -217,12 +229,49 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _StepBudget:
+    """A trace hook for the rendering thread: counts the lines the template's own code runs, and ends the render
+    with ChatTemplateError past the budget (jinja's sandbox bounds what a template may touch, not how long it runs)."""
+
+    def __init__(self, steps: int):
+        self.steps_left = steps
+
+    def __call__(self, frame, event, arg):  # called for every new frame: only the template's are counted
+        return self._count if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
+
+    def _count(self, frame, event, arg):
+        if event == "line":
+            self.steps_left -= 1
+            if self.steps_left < 0:
+                raise ChatTemplateError(f"messages: the chat template ran over {MAX_RENDER_STEPS} steps")
+        return self._count
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` bounded: `"a" * 10**9` would take a gigabyte in one operation."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+            raise TemplateError(f"an exponent over {MAX_EXPONENT} in the chat template")
+        if operator == "*":
+            sized, count = (left, right) if isinstance(right, int) else (right, left)
+            if (
+                isinstance(sized, str | list | tuple)
+                and isinstance(count, int)
+                and len(sized) * count > MAX_PRODUCT_ITEMS
+            ):
+                raise TemplateError(f"a repetition of over {MAX_PRODUCT_ITEMS} items in the chat template")
+        return super().call_binop(context, operator, left, right)
+
+
 def _raise_exception(message: str):
     raise TemplateError(message)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    environment = ImmutableSandboxedEnvironment(
+    environment = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = _tojson

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 from bench_engine import emit_json, write_bench_model  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 
-from daemon.local_daemon import LocalDaemon  # noqa: E402
-from tokend.v1 import tokend_pb2 as pb  # noqa: E402
+from daemon.bench.metrics import percentile  # noqa: E402
+from daemon.bench.stream_client import greedy_request, stream_generate  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402
 
 OUTPUT_TOKENS = 64
@@ -55,20 +56,15 @@ def config_text(interactive_target_s: float) -> str:
 
 
 async def one_request(stub, index: int, tenant: str) -> dict:
-    request = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=[(index * 7 + i) % 256 for i in range(32)]),
-        sampling=pb.SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True),
-    )
-    sent = time.perf_counter()
-    result = {"tenant": tenant, "sent": sent, "ttft": None, "shed": False, "error": None}
-    try:
-        async for chunk in stub.Generate(request, metadata=(("authorization", f"Bearer {tenant}"),), timeout=600):
-            if result["ttft"] is None and chunk.token_ids:
-                result["ttft"] = time.perf_counter() - sent
-        result["done"] = time.perf_counter()
-    except grpc.aio.AioRpcError as error:
-        result["shed"] = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        result["error"] = None if result["shed"] else error.code().name
+    prompt = [(index * 7 + i) % 256 for i in range(32)]
+    metadata = (("authorization", f"Bearer {tenant}"),)
+    stream = await stream_generate(stub, greedy_request(prompt, OUTPUT_TOKENS), timeout=600, metadata=metadata)
+    shed = stream.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    result = {"tenant": tenant, "sent": stream.sent, "ttft": stream.ttft, "shed": shed, "error": None}
+    if stream.code is None:
+        result["done"] = stream.ended
+    elif not shed:
+        result["error"] = stream.code.name
     return result
 
 
@@ -98,13 +94,6 @@ async def offer_load(address: str, rate: float, seconds: float, seed: int) -> li
             index += 1
             await asyncio.sleep(rng.expovariate(rate))
         return await asyncio.gather(*tasks)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summarize(results: list[dict], tenant: str) -> dict:

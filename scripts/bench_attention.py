@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_runtime.attention.backend import make_attention_backend  # noqa: E402
-from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, SequenceSpan  # noqa: E402
+from gpu_runtime.attention.backend import LayerAttentionOptions, make_attention_backend  # noqa: E402
+from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PlanRow  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, NUM_PAGES = 4, 2, 64, 16, 8192
 BACKENDS = ("torch", "batched", "cpu_paged")
@@ -37,10 +37,9 @@ def decode_metadata(lengths: torch.Tensor, tables: torch.Tensor) -> AttentionMet
     max_context = int(lengths.max())
     last = lengths - 1
     slots = tables.gather(1, (last // PAGE_SIZE)[:, None]).squeeze(1) * PAGE_SIZE + last % PAGE_SIZE
-    spans = tuple(SequenceSpan(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)]) for i, n in enumerate(lengths))
-    key_mask = (torch.arange(max_context)[None] < lengths[:, None])[:, None, None, :]
-    decode = DecodeBatch(slice(0, len(lengths)), tables, lengths, key_mask, max_context)
-    return AttentionMetadata(slot_mapping=slots, spans=spans, decode=decode)
+    rows = tuple(PlanRow(i, 1, int(n), tables[i, : -(-int(n) // PAGE_SIZE)].tolist()) for i, n in enumerate(lengths))
+    decode = DecodeBatch(slice(0, len(lengths)), tables, lengths, max_context, rows)
+    return AttentionMetadata(slot_mapping=slots, decode=decode)  # each backend's plan() derives its masks or spans
 
 
 def measure(batch: int, generator: torch.Generator) -> dict:
@@ -53,12 +52,15 @@ def measure(batch: int, generator: torch.Generator) -> dict:
     q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=generator)
     new_k = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator)
     meta = decode_metadata(lengths, tables)
+    options = LayerAttentionOptions.default(HEAD_DIM)
     row: dict = {"batch": batch}
     outputs = {}
     for name in BACKENDS:
         backend = make_attention_backend(name, torch.device("cpu"))
-        outputs[name] = backend.forward(q, new_k, new_k, k_pages, v_pages, meta)
-        row[f"{name}_ms"] = milliseconds(functools.partial(backend.forward, q, new_k, new_k, k_pages, v_pages, meta))
+        backend.plan(meta)  # once per step, as the runner does: one layer's call is what is timed
+        forward = functools.partial(backend.forward, q, new_k, new_k, k_pages, v_pages, meta, options)
+        outputs[name] = forward()
+        row[f"{name}_ms"] = milliseconds(forward)
     for name in BACKENDS[1:]:
         row[f"{name}_over_torch"] = round(row[f"{name}_ms"] / row["torch_ms"], 2)
         row[f"{name}_max_abs_difference"] = float((outputs[name] - outputs["torch"]).abs().max())

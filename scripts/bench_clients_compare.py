@@ -27,12 +27,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+
+from harness.local_daemon import LocalDaemon  # noqa: E402
 
 from daemon.bench.backends import OpenAIBackend, RequestResult  # noqa: E402
 from daemon.bench.datasets import BenchRequest, random_dataset, with_prompt_text  # noqa: E402
 from daemon.bench.runner import run_benchmark  # noqa: E402
-from daemon.local_daemon import LocalDaemon  # noqa: E402
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME  # noqa: E402
 
 HOW_TO_GET = __doc__[__doc__.index("vLLM is not a dependency") :]

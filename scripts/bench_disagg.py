@@ -33,14 +33,15 @@ import grpc
 import torch
 
 _SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS.parent / "tests"), str(_SCRIPTS)]  # the project, its harness
 
 from bench_engine import MODEL_SHAPE, emit_json, write_bench_model  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 from machine_facts import machine_facts  # noqa: E402
 
-from daemon.local_daemon import LocalDaemon  # noqa: E402
+from daemon.bench.metrics import percentile  # noqa: E402
+from daemon.bench.stream_client import greedy_request, stream_generate  # noqa: E402
 from gpu_runtime.kv_transfer.nixl_transport import nixl_available  # noqa: E402
-from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402
 
 MODEL = "m"
@@ -58,22 +59,14 @@ def log(message: str) -> None:
     print(f"[bench_disagg {time.monotonic() - STARTED:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 async def stream(stub, prompt: list[int], max_tokens: int, record: dict) -> None:
-    """One greedy ignore_eos Generate; appends (arrival time, tokens) of each chunk to record["chunks"]."""
-    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    request = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
-    record.update(sent=time.monotonic(), chunks=[], error=None)
-    try:
-        async for chunk in stub.Generate(request, timeout=1800):
-            if chunk.token_ids:
-                record["chunks"].append((time.monotonic(), len(chunk.token_ids)))
-    except grpc.aio.AioRpcError as error:
-        record["error"] = f"{error.code().name}: {error.details()}"
+    """One greedy ignore_eos Generate; record gets its send time, (arrival time, tokens) of each chunk, its error."""
+    result = await stream_generate(stub, greedy_request(prompt, max_tokens, MODEL), timeout=1800)
+    record.update(sent=result.sent, chunks=result.chunks, error=result.error)
+
+
+def _ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else round(1e3 * seconds, 1)
 
 
 async def traffic(address: str, args: argparse.Namespace) -> tuple[list[dict], list[dict], float, float]:
@@ -121,8 +114,8 @@ def summarize(decodes: list[dict], longs: list[dict], start: float, end: float, 
     ttfts = [r["chunks"][0][0] - r["sent"] for r in longs if r["chunks"]]
     tokens = sum(n for r in decodes + longs for at, n in r["chunks"] if at <= window_end)
     return {
-        "decode_itl_p50_ms": round(1e3 * percentile(itls, 0.5), 1),
-        "decode_itl_p99_ms": round(1e3 * percentile(itls, 0.99), 1),
+        "decode_itl_p50_ms": _ms(percentile(itls, 50)),
+        "decode_itl_p99_ms": _ms(percentile(itls, 99)),
         "decode_itl_max_ms": round(1e3 * max(itls, default=float("nan")), 1),
         "long_prompts": len(longs),
         "long_ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,

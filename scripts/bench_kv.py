@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine import MODEL_SHAPE, emit_json, write_bench_model  # noqa: E402
 
+from daemon.bench.metrics import percentile  # noqa: E402
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 VOCAB = MODEL_SHAPE["vocab_size"]
@@ -78,11 +79,6 @@ def simulate(engine: LLMEngine, arrivals: list[Arrival], project: bool = False) 
             record.token_times.extend([time.monotonic()] * len(out.new_token_ids))
             record.num_cached_tokens = out.num_cached_tokens
     return records
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def ms(seconds: float) -> float:

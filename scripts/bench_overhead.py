@@ -28,11 +28,11 @@ import grpc
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 from bench_engine import emit_json, write_bench_model  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 
-from daemon.local_daemon import LocalDaemon  # noqa: E402
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402

@@ -29,15 +29,15 @@ from pathlib import Path
 import grpc
 
 _SCRIPTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]  # the project's packages, then scripts/
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS.parent / "tests"), str(_SCRIPTS)]  # project, harness, scripts/
 
 from bench_engine import emit_json  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 from machine_facts import machine_facts  # noqa: E402
 from rollout_bench.checkpoints import write_tiny_llama  # noqa: E402
 from rollout_bench.report import plot, summarize  # noqa: E402
 from rollout_bench.traffic import MODEL, drive_long_streams, poisson_shorts  # noqa: E402
 
-from daemon.local_daemon import LocalDaemon  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
 from bench_engine import decode_step_ms_by_batch, write_bench_model  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 from machine_facts import machine_facts, parameter_count  # noqa: E402
 
 from daemon.bench.backends import OpenAIBackend  # noqa: E402
 from daemon.bench.datasets import BenchRequest, long_tail_dataset  # noqa: E402
 from daemon.bench.runner import run_benchmark  # noqa: E402
-from daemon.local_daemon import LocalDaemon  # noqa: E402
 
 BYTE_VOCAB = 258  # the byte-level tokenizer's: every token detokenizes to text
 SLOS_MS = {"ttft": 2000.0, "tpot": 100.0}

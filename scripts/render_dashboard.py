@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import grpc  # noqa: E402
 import matplotlib  # noqa: E402
@@ -31,10 +31,10 @@ matplotlib.use("Agg")
 import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 from dashboard_panels import PANELS, Panel, Samples, Window  # noqa: E402
+from harness.local_daemon import LocalDaemon  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from daemon.local_daemon import LocalDaemon  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 
 RATE_WINDOW_S = 10.0  # what $__rate_interval is at a 1 s scrape interval in a short range

@@ -1,12 +1,16 @@
-"""Shared fixtures: a private model cache, and transformers-written checkpoints with reference outputs."""
+"""Shared fixtures: a private model cache, transformers-written checkpoints with reference outputs, and the tiers."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import multiprocessing.process
 import os
 import random
 import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 
 # The suite's references are float32 CPU outputs: on a GPU box an engine on device "auto" would run bfloat16 on CUDA
 # and be compared with them. So CUDA is hidden, before torch starts it, from the tests and every process they start
@@ -17,6 +21,7 @@ if os.environ.get("TOKEND_TEST_GPU") != "1":
 import pytest
 import torch
 from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
+from harness.tiers import TIER_MARKERS, TIERS
 
 # The CPU attention kernel is built once per machine (a minute), not once per run: the tests (and the daemons
 # they start) use the kernels/ directory of the cache the user already has, where scripts/bootstrap.sh built it.
@@ -33,6 +38,47 @@ os.environ["TOKEND_DEBUG"] = "1"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 NUM_REFERENCE_TOKENS = 48
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, which needs the tiers to be on the items
+def pytest_collection_modifyitems(config, items):
+    """Marks every test with its file's tier (harness/tiers.py), unless the file marks itself; a test file in no
+    tier, or in two, stops the run naming it, so that no file silently drops out of `-m fast` and the rest."""
+    problems = set()
+    for item in items:
+        path = item.path.resolve()
+        name = path.relative_to(TESTS_DIR).as_posix() if path.is_relative_to(TESTS_DIR) else str(path)
+        own = {mark.name for mark in item.iter_markers() if mark.name in TIER_MARKERS}
+        if len(own) > 1:
+            problems.add(f"{name}: in two tiers {sorted(own)}")
+        elif not own and name not in TIERS:
+            problems.add(f"{name}: in no tier: add it to tests/harness/tiers.py (or give it a pytestmark)")
+        elif not own:
+            item.add_marker(TIERS[name])
+    if problems:
+        raise pytest.UsageError("test tiers:\n  " + "\n  ".join(sorted(problems)))
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_nothing(request, monkeypatch):
+    """A `fast` test that starts a process or builds an engine fails, naming the tier it belongs in: the edit-loop
+    tier stays fast because nothing in it can start a daemon or load a model."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refuse(what: str, tier: str):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"a fast test {what}: put {request.node.path.name} in the {tier} tier")
+
+        return refused
+
+    monkeypatch.setattr(subprocess, "Popen", refuse("started a process", "daemon"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse("started a process", "daemon"))
+    with contextlib.suppress(ImportError):  # an engine that cannot even be imported cannot be built either
+        from gpu_runtime.engine import LLMEngine
+
+        monkeypatch.setattr(LLMEngine, "__init__", refuse("built an engine", "engine"))
 
 
 def kv_bytes_for(model_dir, page_size: int, num_pages: int) -> int:

@@ -1,4 +1,4 @@
-"""The end-to-end tests' daemon: daemon.local_daemon's LocalDaemon on the CPU unless a test names a device, and a
+"""The end-to-end tests' daemon: harness.local_daemon's LocalDaemon on the CPU unless a test names a device, and a
 gateway run alone (`tokend gateway`) in front of one."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import httpx
+from harness.local_daemon import ROOT, LocalDaemon, config_file_says, free_port
 
-from daemon.local_daemon import ROOT, LocalDaemon, config_file_says, free_port
+from tokend.v1 import tokend_pb2 as pb
 
 __all__ = ["ROOT", "Daemon", "free_port", "standalone_gateway"]
 
@@ -23,6 +24,24 @@ class Daemon(LocalDaemon):
     def __init__(self, *flags: str, env: dict[str, str] | None = None, **options):
         names_device = "TOKEND_DEVICE" in {**os.environ, **(env or {})} or _flags_name_device(flags)
         super().__init__(*(flags if names_device else ("--device", "cpu", *flags)), env=env, **options)
+
+    def steps_by_group(self, model: str) -> dict[str, float]:
+        """Steps each of `model`'s schedulers (by GPU group, as Admin.GetLoad names them) has run since its warm-up,
+        from /metrics' tokend:iteration_tokens: which workers took a share of the work."""
+        load = self.admin.GetLoad(pb.GetLoadRequest(), timeout=10)
+        groups = {s.group for s in load.schedulers if s.model == model}
+        name = "tokend:iteration_tokens_total_count"
+        return {group: self.metric(name, model_name=model, group=group) for group in groups}
+
+    def wait_every_group_stepped(self, model: str, before: dict[str, float], timeout: float = 30) -> dict[str, float]:
+        """Waits until every one of `model`'s schedulers has run steps since `before` (a steps_by_group reading):
+        load reports reach /metrics a moment after the steps."""
+
+        def stepped() -> dict[str, float] | None:
+            now = self.steps_by_group(model)
+            return now if now and all(count > before.get(group, 0) for group, count in now.items()) else None
+
+        return self.wait_for(stepped, timeout=timeout)
 
 
 def _flags_name_device(flags: tuple[str, ...]) -> bool:

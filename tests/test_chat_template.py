@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -113,3 +114,22 @@ def test_a_syntax_error_names_the_file_and_line(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("ok\n{% if %}")
     with pytest.raises(ChatTemplateLoadError, match=r"chat_template\.jinja: line 2: the chat template does not"):
         ChatTemplate.from_model_dir(tmp_path)
+
+
+def test_a_render_that_loops_past_its_step_budget_stops_on_its_own_thread():
+    """The 1 s limit fails the request; the budget also ends the thread, which Python could not stop otherwise."""
+    template = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", {})
+    with pytest.raises(ChatTemplateError, match="messages: the chat template ran over"):
+        template.render(HI)
+    assert sys.gettrace() is None  # the hook is this render's only: the thread is traced no longer
+
+
+@pytest.mark.parametrize("expression", ['"a" * 1000000000', "[0] * 10**8", "2 ** 100000"])
+def test_repetition_and_powers_that_would_take_the_memory_are_refused(expression):
+    template = ChatTemplate("{{ " + expression + " }}", {})
+    with pytest.raises(ChatTemplateError, match="messages:"):
+        template.render(HI)
+
+
+def test_modest_repetition_still_renders():
+    assert ChatTemplate('{{ "=" * 8 }}{{ 2 ** 10 }}', {}).render(HI) == "========1024"

@@ -351,7 +351,7 @@ def _seconds_until_closed(sock: socket.socket, limit_s: float) -> float:
     """Trickles header lines into a request head that never ends, as slowloris does, until the server closes."""
     started = time.monotonic()
     with contextlib.suppress(ConnectionResetError, BrokenPipeError):
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         while time.monotonic() - started < limit_s:
             if select.select([sock], [], [], 0.2)[0] and not sock.recv(65536):
                 break
@@ -367,7 +367,7 @@ def test_a_trickled_request_head_is_closed_at_the_header_timeout(lone_gateway):
 
 def test_the_header_timeout_holds_for_each_request_of_a_kept_alive_connection(lone_gateway):
     with socket.create_connection(("127.0.0.1", lone_gateway.spec.http_port), timeout=30) as sock:
-        sock.sendall(b"GET /slow?s=0 HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        sock.sendall(b"GET /slow?s=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         elapsed = _seconds_until_closed(sock, 10 * HEADER_TIMEOUT_S)
     assert HEADER_TIMEOUT_S * 0.5 <= elapsed < HEADER_TIMEOUT_S * 5

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 
 import pytest
 import yaml
@@ -16,10 +15,7 @@ from dashboard_queries import dashboard_queries, exported_metric_names, metric_n
 from prometheus_client import generate_latest
 
 from frontend.metrics import FrontendMetrics
-
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import dashboard_panels  # noqa: E402
+from scripts import dashboard_panels  # scripts/ is a namespace package under the repository root
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokend-dashboard.json"
 

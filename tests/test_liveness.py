@@ -81,16 +81,26 @@ def test_a_stopped_scheduler_stops_serving_its_model_within_seconds_and_serves_a
 def test_a_crashed_frontends_request_is_stopped_on_its_scheduler_and_reported_to_the_next_frontend():
     with Daemon() as daemon:
         (frontend,) = daemon.child_pids("tokend: frontend")
-        call = daemon.generation.Generate(pb.GenerateRequest(prompt="orphan", sampling=LONG), timeout=120)
+        request = pb.GenerateRequest(prompt="orphan", sampling=LONG, request_id="orphan-1")
+        call = daemon.generation.Generate(request, timeout=120)
         seen = sum(len(next(call).token_ids) for _ in range(3))
         os.kill(frontend, signal.SIGKILL)
         assert _failure(call) is not None
-        daemon.wait_for(lambda: daemon.log_entries("orphan_finished"), timeout=60)
+        settled = daemon.wait_for(lambda: _settled_orphan(daemon, "orphan-1"), timeout=60)
         daemon.wait_for(lambda: daemon.health_status() == SERVING, timeout=60)
         assert daemon.generate("after the crash", max_tokens=3, ignore_eos=True)[-1].finish_reason == "length"
+        # How it ended is told by the log alone (both lines were written before the ledger was settled).
         (aborted,) = daemon.log_entries("orphans_aborted")
         (orphan,) = daemon.log_entries("orphan_finished")
     assert aborted["process"] == "scheduler" and aborted["reason"] == "frontend_disconnected"
     assert orphan["process"] == "frontend" and orphan["finish_reason"] == "abort"
     # Stopped when its frontend went, not run to its end; and never fewer tokens than its client saw.
-    assert seen <= orphan["completion_tokens"] < 1900
+    assert seen <= settled["completion_tokens"] == orphan["completion_tokens"] < 1900
+
+
+def _settled_orphan(daemon: Daemon, request_id: str) -> dict | None:
+    """The ledger row of a request whose frontend died, once the next frontend wrote its scheduler's final counts
+    (it marks the row interrupted when it starts, then settles it: updated_at moves past finished_at)."""
+    with daemon.ledger() as ledger:
+        rows = ledger.execute("SELECT * FROM usage WHERE request_id = ?", (request_id,)).fetchall()
+    return next((dict(r) for r in rows if r["status"] == "interrupted" and r["updated_at"] > r["finished_at"]), None)

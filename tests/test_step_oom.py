@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import pytest
 import torch
@@ -123,9 +122,22 @@ class _RecordingLog:
 class _RecordingOutbox:
     def __init__(self):
         self.sent: list = []
+        self._changed = threading.Condition()
 
     def send(self, message) -> None:
-        self.sent.append(message)
+        with self._changed:
+            self.sent.append(message)
+            self._changed.notify_all()
+
+    def wait_for_delta(self, request_id: str, timeout: float):
+        """The first delta sent for `request_id`, waiting for the loop to send it."""
+        with self._changed:
+            found = self._changed.wait_for(lambda: self.deltas(request_id), timeout=timeout)
+            assert found, self.sent
+            return found[0]
+
+    def deltas(self, request_id: str) -> list:
+        return [d for m in self.sent if isinstance(m, StepOutputs) for d in m.deltas if d.request_id == request_id]
 
     def step_started(self, keepalive) -> None:  # the output thread's keep-alives: none in a recording
         pass
@@ -148,18 +160,14 @@ def test_the_scheduler_loop_sends_the_failure_and_logs_it(llama_dir, tmp_path):
     try:
         inbox.put(FrontendHello("f1", auth.hello_proof("f1")))
         inbox.put(AddRequest("x", PROMPTS["b"], GREEDY, Priority.INTERACTIVE))
-        deadline = time.monotonic() + 30
-        while not any(event == "step_out_of_memory" for _, event, _ in log.records):
-            assert time.monotonic() < deadline, log.records
-            time.sleep(0.02)
+        delta = outbox.wait_for_delta("x", timeout=30)  # the loop logs the failure before it sends it
     finally:
         loop.stop()
         thread.join(timeout=10)
+    assert delta.finish_reason is FinishReason.ERROR and delta.error.startswith("out of memory on cpu")
+    assert len(outbox.deltas("x")) == 1
     (record,) = [fields for level, event, fields in log.records if event == "step_out_of_memory"]
     assert (record["failed_requests"], record["step_tokens"], record["max_num_batched_tokens"]) == (["x"], 20, 32)
-    deltas = [d for m in outbox.sent if isinstance(m, StepOutputs) for d in m.deltas if d.request_id == "x"]
-    (delta,) = deltas
-    assert delta.finish_reason is FinishReason.ERROR and delta.error.startswith("out of memory on cpu")
 
 
 @pytest.mark.gpu

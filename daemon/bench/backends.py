@@ -17,6 +17,7 @@ import grpc
 import httpx
 
 from daemon.bench.datasets import BenchRequest
+from daemon.bench.stream_client import greedy_request, stream_generate
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -129,24 +130,27 @@ class GrpcBackend:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     async def send(self, request: BenchRequest) -> RequestResult:
-        message = pb.GenerateRequest(
-            model=self._model,
-            token_ids=pb.TokenIds(ids=request.prompt_token_ids),
-            sampling=pb.SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True),
+        message = greedy_request(
+            request.prompt_token_ids,
+            request.output_len,
+            self._model,
             priority=pb.PRIORITY_INTERACTIVE if request.interactive else pb.PRIORITY_BATCH,
         )
-        result = RequestResult(prompt_len=len(request.prompt_token_ids))
-        clock = _Clock(result)
-        try:
-            async for chunk in self._stub.Generate(message, metadata=self._metadata):
-                result.output_tokens = chunk.usage.completion_tokens
-                if chunk.token_ids:
-                    clock.output_chunk()
-                    result.generated_text += chunk.text
-        except grpc.aio.AioRpcError as error:
-            result.error = f"{error.code().name}: {error.details()}"
+        stream = await stream_generate(self._stub, message, metadata=self._metadata)
+        result = RequestResult(prompt_len=len(request.prompt_token_ids), output_tokens=stream.completion_tokens,
+                               generated_text=stream.text, start_time=stream.sent)  # fmt: skip
+        if stream.error is not None:
+            result.error = stream.error
             return result
-        return clock.finish()
+        if not stream.chunks:
+            result.error = "no output chunk arrived"
+            return result
+        arrivals = [at for at, _ in stream.chunks]
+        result.ttft = arrivals[0] - stream.sent
+        result.itl = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+        result.latency = arrivals[-1] - stream.sent
+        result.success = True
+        return result
 
     async def close(self) -> None:
         await self._channel.close()

@@ -72,6 +72,15 @@ def summarize(
     return summary
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q`th percentile (0..100) of `values`, None for no values: the figure the benchmark scripts
+    report (the summary above keeps numpy's interpolated one, under vLLM's names)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
 def percentile_key(name: str, p: float) -> str:
     """`p99_ttft_ms`, `p99.9_ttft_ms`: vLLM's spelling of a percentile's key."""
     return f"p{int(p) if int(p) == p else p}_{name}_ms"

@@ -16,6 +16,7 @@ from frontend.gateway.error_funnel import ErrorFunnel
 from frontend.gateway.errors import OpenAIError
 from frontend.gateway.limits import RequestLimits
 from frontend.gateway.load_route import load_endpoint
+from frontend.gateway.origin_guard import OriginGuard
 from frontend.gateway.playground_page import STATIC_DIR, PlaygroundAssets
 from frontend.gateway.routes import GatewayRoutes
 from frontend.gateway.spec import GatewaySpec
@@ -72,6 +73,7 @@ def build_app(spec: GatewaySpec) -> Starlette:
                 max_header_count=spec.max_header_count,
                 max_header_bytes=spec.max_header_bytes,
             ),
+            Middleware(OriginGuard, listen_host=spec.host),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

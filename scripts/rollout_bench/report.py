@@ -5,16 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from daemon.bench.metrics import percentile
 from rollout_bench.traffic import failed, truncated
 
 SWAP_RATIO_TARGET = 1.5  # the bound: TTFT p90 during the swap <= 1.5x steady state
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def window(shorts: list[dict], start: float, end: float) -> dict:

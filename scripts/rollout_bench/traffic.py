@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 
 import grpc
 
-from tokend.v1 import tokend_pb2 as pb
+from daemon.bench.stream_client import greedy_request, stream_generate
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
 MODEL = "m"  # the --served-model-name the benchmark's daemons use
@@ -24,27 +23,10 @@ def prompt_ids(rng: random.Random, length: int = 16) -> list[int]:
 
 async def run_stream(stub: pb_grpc.GenerationStub, kind: str, prompt: list[int], max_tokens: int) -> dict:
     """One greedy, ignore_eos Generate to its end. Times are time.monotonic(), comparable across processes."""
-    request = pb.GenerateRequest(
-        model=MODEL,
-        token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-    )
-    record = {"kind": kind, "sent": time.monotonic(), "ttft": None, "max_tokens": max_tokens, "tokens": 0,
-              "finish_reason": "", "generations": [], "migrated": False, "error": None}  # fmt: skip
-    try:
-        async for chunk in stub.Generate(request, timeout=STREAM_TIMEOUT_S):
-            if record["ttft"] is None and chunk.token_ids:
-                record["ttft"] = time.monotonic() - record["sent"]
-            record["tokens"] += len(chunk.token_ids)
-            if chunk.generation and chunk.generation not in record["generations"]:
-                record["generations"].append(chunk.generation)
-            if chunk.finish_reason:
-                record["finish_reason"] = chunk.finish_reason
-                record["migrated"] = chunk.migrated
-    except grpc.aio.AioRpcError as error:
-        record["error"] = f"{error.code().name}: {error.details()}"
-    record["ended"] = time.monotonic()
-    return record
+    stream = await stream_generate(stub, greedy_request(prompt, max_tokens, MODEL), timeout=STREAM_TIMEOUT_S)
+    return {"kind": kind, "sent": stream.sent, "ttft": stream.ttft, "max_tokens": max_tokens, "tokens": stream.tokens,
+            "finish_reason": stream.finish_reason, "generations": stream.generations, "migrated": stream.migrated,
+            "error": stream.error, "ended": stream.ended}  # fmt: skip
 
 
 def failed(record: dict) -> bool:

@@ -1,8 +1,8 @@
-"""The GPU check's sections (scripts/gpu_check.py runs each in its own process): each takes the device and whether
+"""The GPU check's sections (gpu/run.py runs each in its own process): each takes the device and whether
 this is the CPU dry run, and returns its JSON fields. A measurement that needs CUDA is {"skipped": why} on the CPU.
 
 The engine is compared with transformers, the library that defines the architectures, on checkpoints it wrote
-itself (scripts/gpu_check_models.py).
+itself (gpu/models.py).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-import gpu_check_models as models
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
+from gpu import models
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CUDA_ONLY = "a CUDA measurement: skipped in the CPU dry run"
 BF16_PROMPTS = 12
@@ -287,7 +287,7 @@ def large_pool(device: str, dry_run: bool) -> dict:
 def sampler(device: str, dry_run: bool) -> dict:
     """ms per sampler call at batch 64 over a 128,256-token vocabulary (scripts/bench_sampler.py's settings), and
     on CUDA the synchronisations each call makes (torch's sync debug mode counts them)."""
-    import bench_sampler
+    from scripts import bench_sampler  # the repository root is on the path: scripts/ is a namespace package
 
     batch, vocab = (4, 8000) if dry_run else (64, 128256)
     dev = torch.device(device)

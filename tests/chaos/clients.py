@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import httpx
 
+from daemon.bench.stream_client import stream_generate_blocking
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -48,22 +49,21 @@ def grpc_generate(
     stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, metadata, tenant: str, timeout: float
 ) -> ClientRecord:
     record = ClientRecord("grpc", tenant, request.request_id, time.time())
-    try:
-        for chunk in stub.Generate(request, metadata=metadata, timeout=timeout):
-            record.got_chunk = True
-            record.prompt_tokens = chunk.usage.prompt_tokens
-            record.completion_tokens = chunk.usage.completion_tokens
-            record.finish_reason = chunk.finish_reason or record.finish_reason
-    except grpc.RpcError as error:
-        code, details = error.code(), f"{error.code()}: {error.details()}"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return record.finish(HUNG, details)
-        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            return record.finish(INTERNAL, details)
-        if code in _CLEAN_CODES:
-            return record.finish(FAILED_CLEANLY if record.got_chunk else REFUSED, details)
-        return record.finish(BAD, details)
-    return _by_finish_reason(record)
+    stream = stream_generate_blocking(stub, request, timeout=timeout, metadata=metadata)
+    if stream.num_chunks:
+        record.got_chunk = True
+        record.prompt_tokens, record.completion_tokens = stream.prompt_tokens, stream.completion_tokens
+        record.finish_reason = stream.finish_reason or None
+    if stream.code is None:
+        return _by_finish_reason(record)
+    code, details = stream.code, stream.error
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return record.finish(HUNG, details)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return record.finish(INTERNAL, details)
+    if code in _CLEAN_CODES:
+        return record.finish(FAILED_CLEANLY if record.got_chunk else REFUSED, details)
+    return record.finish(BAD, details)
 
 
 def http_generate(client: httpx.Client, url: str, body: dict, bearer: str, tenant: str, timeout: float) -> ClientRecord:

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.local_daemon import LocalDaemon
 from hypothesis import strategies as st
 
 from chaos import processes
@@ -17,7 +18,6 @@ from chaos.daemon_log import LogTail
 from chaos.hypothesis_run import run_examples
 from chaos.junk import shown
 from chaos.report import Outcome, Report
-from daemon.local_daemon import LocalDaemon
 
 MAX_RECOVERIES_PER_SURFACE = 2  # after that the surface's remaining inputs are skipped (and counted as skipped)
 _TRANSIENT_WAIT_S = 10.0

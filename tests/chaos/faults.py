@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from harness.local_daemon import LocalDaemon
+
 from chaos import processes
 from chaos.canary import Canary
 from chaos.report import Report
-from daemon.local_daemon import LocalDaemon
 
 # Each kind of process is killed every sixth fault, so that it has usually run a while by then.
 ROTATION = (

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from daemon.local_daemon import LocalDaemon
+from harness.local_daemon import LocalDaemon
 
 TITLES = {"scheduler": "tokend: scheduler", "frontend": "tokend: frontend", "gateway": "tokend: gateway"}
 # The supervisor gives up after 8 crashes of a child that each came within 30 s of its start. After a few such

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -21,12 +23,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from daemon.admin_token import read_admin_token
 from frontend.usage_ledger import LEDGER_FILE, connect
 from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/harness/ -> the repository
 
 
 _NOTABLE_LINES = 60
@@ -77,6 +80,37 @@ def config_file_says(flags: tuple[str, ...], predicate) -> bool:
             except (OSError, tomllib.TOMLDecodeError):
                 return True
     return False
+
+
+_MUTATING_ADMIN = ("/tokend.v1.Admin/Drain", "/tokend.v1.Admin/Rollout")
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _LocalAdminToken(grpc.UnaryUnaryClientInterceptor):
+    """Attaches the daemon's local admin token to Drain/Rollout calls with no authorization of their own, as
+    `tokend rollout` does, while the daemon has no tenants."""
+
+    def __init__(self, daemon):
+        self._daemon = daemon
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = list(details.metadata or ())
+        wants_token = details.method in _MUTATING_ADMIN and not any(k == "authorization" for k, _ in metadata)
+        if wants_token and not self._daemon.has_tenants:
+            token = read_admin_token(self._daemon.state_dir)
+            if token:
+                metadata.append(("authorization", f"Bearer {token}"))
+                details = _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                       details.wait_for_ready, details.compression)  # fmt: skip
+        return continuation(details, request)
 
 
 class LocalDaemon:
@@ -149,9 +183,19 @@ class LocalDaemon:
     def generation(self) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(self.channel)
 
+    @functools.cached_property
+    def has_tenants(self) -> bool:
+        """A keyless GetLoad is refused only when the daemon authenticates tenants."""
+        try:
+            pb_grpc.AdminStub(self.channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+        except grpc.RpcError as error:
+            return error.code() == grpc.StatusCode.UNAUTHENTICATED
+        return False
+
     @property
     def admin(self) -> pb_grpc.AdminStub:
-        return pb_grpc.AdminStub(self.channel)
+        """Admin calls as `tokend rollout` makes them: with the daemon's local admin token while it has no tenants."""
+        return pb_grpc.AdminStub(grpc.intercept_channel(self.channel, _LocalAdminToken(self)))
 
     def health_status(self) -> int | None:
         stub = health_pb2_grpc.HealthStub(self.channel)

@@ -8,22 +8,18 @@ import gc
 import json
 import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from gpu_check import WORK_DIR_VARIABLE
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
+from gpu.run import WORK_DIR_VARIABLE
 
 _own_work_dir: list[tempfile.TemporaryDirectory] = []
 
 
 def work_dir() -> Path:
-    """Where checkpoints go: the directory scripts/gpu_check.py made for the run, which it removes at its end (even
+    """Where checkpoints go: the directory gpu/run.py made for the run, which it removes at its end (even
     when a section's process is killed), else one of this process's own, removed when it exits."""
     if os.environ.get(WORK_DIR_VARIABLE):
         return Path(os.environ[WORK_DIR_VARIABLE])

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import zmq
+from harness.local_daemon import LocalDaemon
 from hypothesis import strategies as st
 
 from chaos import http_answers, http_bodies, http_headers, ipc_fuzz, proto_wire
@@ -15,7 +16,6 @@ from chaos.fuzz_run import Surface
 from chaos.grpc_fuzz import GrpcFuzzer
 from chaos.grpc_messages import metadata, request_fields
 from chaos.http_wire import exchange
-from daemon.local_daemon import LocalDaemon
 
 # Share of the fuzz inputs per surface, in the order they run: the IPC ones last, since a receiver they break
 # takes a restart to mend.

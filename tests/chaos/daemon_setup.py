@@ -10,8 +10,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.local_daemon import LocalDaemon
+
 from chaos.processes import continue_all
-from daemon.local_daemon import LocalDaemon
 
 # One tenant per kind of traffic, so that the ledger audit can tell whose rows are whose (isolation included).
 GRPC_TENANT, HTTP_TENANT, FUZZ_TENANT = "chaos-grpc", "chaos-http", "chaos-fuzz"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos and fuzz run against a real tokend daemon on loopback: prints one JSON report, exits 0 iff nothing was lost.
 
-Usage: .venv/bin/python scripts/chaos.py [--fuzz-inputs 10000] [--faults 30] [--seed 0] [--out PATH]
+Usage: .venv/bin/python scripts/chaos.py [--fuzz-inputs 10000] [--faults 30] [--seed 0] [--pd] [--out PATH]
 The parts live in tests/chaos/ (one job per file, beside the test harness they use); see chaos/cli.py for the flags.
 """
 

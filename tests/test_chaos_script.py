@@ -14,11 +14,13 @@ LOSS_KINDS = {"five_xx", "hung", "cut_streams", "ledger_missing", "ledger_wrong"
 
 
 @pytest.mark.timeout(900)
-def test_a_short_chaos_run_reports_json_and_loses_nothing(tmp_path, capsys):
+@pytest.mark.parametrize("pd", [False, True], ids=["one-worker", "prefill-decode"])
+def test_a_short_chaos_run_reports_json_and_loses_nothing(tmp_path, capsys, pd):
+    """With --pd the daemon has a prefill and a decode worker, and the KV pull socket is fuzzed too."""
     out = tmp_path / "chaos.json"
     # In this process, so that the daemon's context manager cleans its processes up whatever happens.
     flags = ["--fuzz-inputs", str(FUZZ_INPUTS), "--faults", str(FAULTS), "--seed", "1", "--out", str(out)]
-    exit_code = main([*flags, "--no-progress"])
+    exit_code = main([*flags, "--no-progress", *(["--pd"] if pd else [])])
     report = json.loads(capsys.readouterr().out)
 
     assert json.loads(out.read_text()) == report
@@ -34,6 +36,11 @@ def test_a_short_chaos_run_reports_json_and_loses_nothing(tmp_path, capsys):
     ]
     assert report["outcomes"]["load_grpc"].get("complete") and report["outcomes"]["load_http"].get("complete")
     assert set(report["lost"]) >= LOSS_KINDS
+    hardened = report["hardened_surfaces"]
+    assert set(hardened) == {"rollout_paths", "gguf_files", "control_channel", *(["kv_socket"] if pd else [])}
+    for name, counts in hardened.items():
+        expected = counts["refused_as_expected"] + counts.get("read_as_expected", 0)
+        assert counts["incidents"] == 0 and counts["inputs_sent"] == expected > 0, (name, counts)
     lost = {kind: bucket for kind, bucket in report["lost"].items() if bucket["count"]}
     assert not lost, json.dumps(lost, indent=1)[:4000]
     assert report["ok"] is True and exit_code == 0

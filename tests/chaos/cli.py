@@ -15,6 +15,7 @@ from chaos.canary import Canary
 from chaos.daemon_setup import chaos_daemon, ledger_rows, make_tenants, stop_daemon
 from chaos.faults import inject_faults
 from chaos.fuzz_run import FuzzSession
+from chaos.hardened_audit import audit_hardened
 from chaos.ledger_audit import audit_ledger
 from chaos.load import Load
 from chaos.progress import Progress
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1140.0,
         help="seconds for the whole run; fuzzing gets half, faults the rest (what is left is skipped)",
     )
+    parser.add_argument(
+        "--pd", action="store_true", help="a prefill and a decode worker, so that the KV pull socket is fuzzed too"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     return parser.parse_args(argv)
 
@@ -46,12 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    config["inputs_per_surface"] = split(args.fuzz_inputs)
+    config["inputs_per_surface"] = split(args.fuzz_inputs, kv=args.pd)
     report = Report(config)
     progress = Progress(args.fuzz_inputs + args.faults, enabled=not args.no_progress)
     started = time.monotonic()
     try:
-        with chaos_daemon(make_tenants(args.seed)) as daemon:
+        with chaos_daemon(make_tenants(args.seed), pd=args.pd) as daemon:
             report.durations_s["daemon_start"] = time.monotonic() - started
             _run(daemon, args, report, progress, started)
     except Exception:
@@ -84,6 +88,7 @@ def _run(daemon, args: argparse.Namespace, report: Report, progress: Progress, s
     report.notes["daemon_exit_code"] = stop_daemon(daemon)
     report.durations_s["stop"] = time.monotonic() - phase
     report.notes["daemon_log"] = daemon_log.summarize(daemon.log_path)
+    audit_hardened(report, daemon.log_path, report.notes.get("fuzz_log_end_bytes"))
     rows, unreadable = ledger_rows(daemon)
     audit_streams(load.records, faults, report, "load")
     for record in canary.records:
@@ -99,6 +104,7 @@ def _fuzz(daemon, args, report: Report, progress: Progress, canary: Canary, tena
         for index, surface in enumerate(all_surfaces):
             progress.set_phase(f"fuzz {surface.name}")
             session.run(surface, args.seed * 100 + index)
+    report.notes["fuzz_log_end_bytes"] = daemon.log_path.stat().st_size if daemon.log_path.exists() else None
     report.durations_s["fuzz"] = time.monotonic() - phase
 
 

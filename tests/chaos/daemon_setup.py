@@ -1,4 +1,5 @@
-"""The daemon under test: a LocalDaemon with three tenants (gRPC load, HTTP load, fuzz), stopped before the audit."""
+"""The daemon under test: a LocalDaemon with three tenants (gRPC load, HTTP load, fuzz) and model_roots (optionally a
+prefill and a decode worker), stopped before the audit."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 from harness.local_daemon import LocalDaemon
 
 from chaos.processes import continue_all
+from chaos.rollout_fuzz import make_roots
 
 # One tenant per kind of traffic, so that the ledger audit can tell whose rows are whose (isolation included).
 GRPC_TENANT, HTTP_TENANT, FUZZ_TENANT = "chaos-grpc", "chaos-http", "chaos-fuzz"
 TENANTS = (GRPC_TENANT, HTTP_TENANT, FUZZ_TENANT)
 DRAIN_TIMEOUT_S = 10.0
+# A prefill and a decode worker (tests/test_disaggregated.py): long prompts are handed over on the KV socket.
+PD_FLAGS = ("--device", "cpu=prefill,cpu=decode", "--disagg-min-prompt-tokens", "16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +42,9 @@ def make_tenants(seed: int) -> Tenants:
 
 
 def write_config(tenants: Tenants, directory: Path) -> Path:
-    """The TOML file: the tenants (fuzz may ask for either priority) and a short drain for a quick stop."""
-    lines = [f"drain_timeout = {DRAIN_TIMEOUT_S}"]
+    """The TOML file: the tenants (fuzz may ask for either priority), a short drain for a quick stop, and the
+    model_roots the rollout surface aims around (rollout_fuzz.make_roots)."""
+    lines = [f"drain_timeout = {DRAIN_TIMEOUT_S}", f'model_roots = ["{make_roots(directory).roots}"]']
     for name, key in tenants.keys.items():
         digest = hashlib.sha256(key.encode()).hexdigest()
         lines += ["", "[[tenants]]", f'name = "{name}"', f'api_key_sha256 = "{digest}"', 'max_priority = "interactive"']
@@ -49,11 +54,13 @@ def write_config(tenants: Tenants, directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def chaos_daemon(tenants: Tenants):
-    """A started LocalDaemon serving the tenants; killed, whole, on exit."""
+def chaos_daemon(tenants: Tenants, pd: bool = False):
+    """A started LocalDaemon serving the tenants (with `pd`, on a prefill and a decode worker); killed, whole, on
+    exit. Its `chaos_dir` holds the config and the rollout surface's files."""
     with tempfile.TemporaryDirectory(prefix="tokend-chaos-") as directory:
         config = write_config(tenants, Path(directory))
-        with LocalDaemon("--config", str(config)) as daemon:
+        with LocalDaemon("--config", str(config), *(PD_FLAGS if pd else ())) as daemon:
+            daemon.chaos_dir = Path(directory)
             yield daemon
 
 

@@ -17,6 +17,7 @@ LOSS_KINDS = (
     "bad_answers",  # an answer that is neither a success nor a documented error (e.g. a 200 without a body)
     "canary_failed",  # a real request failed while fuzzing: the daemon stopped serving others
     "not_recovered",  # the daemon did not serve again within the bound after a fault
+    "not_refused",  # a hardened surface took what it must refuse (a forged pull, a rollout off the roots, ...)
 )
 MAX_EXAMPLES = 5
 MAX_KINDS = 12
@@ -70,6 +71,8 @@ class Report:
         self.notes: dict[str, object] = {}
         self.durations_s: dict[str, float] = {}
         self.logged_errors: dict[str, dict] = {}  # signature -> count and the inputs just before it was logged
+        self.losses_by_surface: Counter = Counter()
+        self.hardened: dict[str, dict] = {}  # surface -> inputs sent, refused as expected, incidents (hardened_audit)
         self._lock = threading.Lock()
 
     def record(self, surface: str, outcome: Outcome, shown_input: str = "") -> None:
@@ -98,6 +101,7 @@ class Report:
         signature = signature or f"{surface} {label} {_first_line(detail)[:80]}".strip()
         with self._lock:
             self.lost[kind].add(example, signature)
+            self.losses_by_surface[surface] += 1
 
     def note_harness_error(self, text: str) -> None:
         """A failure of this script itself (not of the daemon): counted, the first few shown."""
@@ -130,6 +134,7 @@ class Report:
             "outcomes": {surface: dict(counter.most_common()) for surface, counter in self.outcomes.items()},
             "faults_injected": self.faults_injected,
             "recoveries": self.recoveries,
+            "hardened_surfaces": self.hardened,
             "lost": {kind: bucket.to_json() for kind, bucket in self.lost.items()},
             "daemon_errors_while_fuzzing": dict(sorted(self.logged_errors.items(), key=lambda kv: -kv[1]["count"])),
             "notes": self.notes,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 import pytest
-from daemon_harness import Daemon
+from daemon_harness import ROOT, Daemon, free_port
 
 from tokend.v1 import tokend_pb2 as pb
 
@@ -119,3 +122,18 @@ def test_bytes_that_are_no_message_are_refused_as_invalid(daemon, method):
     assert caught.value.details().startswith("request: not a valid message")
     assert "Traceback" not in daemon.log()
     assert len(daemon.generate("still serving", max_tokens=2)) >= 1
+
+
+def test_a_malformed_gguf_model_stops_the_start_with_exit_78_naming_the_field(tmp_path):
+    """The 69 bytes that made gguf's reader spin and grow: the scheduler refuses them at once, and the daemon exits
+    with the configuration error's code instead of holding its group for ever."""
+    from test_gguf_malformed import MUTANTS
+
+    model = tmp_path / "spin.gguf"
+    model.write_bytes(MUTANTS["69-byte spin"])
+    command = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(model), "--device", "cpu",
+               "--state-dir", str(tmp_path / "state"), "--grpc-port", str(free_port()),
+               "--http-port", str(free_port())]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78, result.stderr[-2000:]
+    assert "not a well-formed GGUF file: metadata 'k': claims" in result.stdout + result.stderr

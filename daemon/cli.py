@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.addresses import is_loopback
 from daemon.address_flag import DEFAULT_ADDRESS, add_address_flag
 from daemon.api_key import add_api_key_flags
 from daemon.bench.flags import add_bench_flags
-from daemon.config import add_serve_flags, is_loopback
+from daemon.config import add_serve_flags
 from daemon.health_command import HELP as HEALTH_HELP
 from daemon.health_command import add_health_flags
 from daemon.rollout_command import HELP as ROLLOUT_HELP

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.addresses import is_loopback
 from common.lanes import DrainAction, KVLoadFailure, KVTransport
 from daemon import config_flags
 from daemon.config_checks import check_no_roles_under_tp, rollout_roots
@@ -472,15 +472,6 @@ def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:
 
 def _is_sha256_hex(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
 
 
 def _is_number(value: object) -> bool:

@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from frontend.gateway.origin_guard import OriginGuard, is_loopback
+from common.addresses import is_loopback
+from frontend.gateway.origin_guard import OriginGuard
 
 pytestmark = pytest.mark.fast
 

@@ -9,24 +9,10 @@ listening on loopback answers only requests addressed to a loopback name, which 
 
 from __future__ import annotations
 
-import ipaddress
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.addresses import is_loopback
 from frontend.gateway.errors import OpenAIError
-
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
-
-
-def is_loopback(host: str) -> bool:
-    """`host` (a name or an address, IPv6 with or without brackets) names this machine's loopback interface."""
-    host = host.strip("[]").lower().rstrip(".")
-    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_name(host_header: str) -> str:

@@ -21,6 +21,7 @@ from frontend.request_session import RequestSession, SessionRequest, SessionServ
 from frontend.request_stream import ChunkBuilder
 from frontend.scheduler_link import SchedulerLink
 from frontend.spec import TenantSpec
+from frontend.structured_outputs import GrammarChecks, StructuredOutputRefused
 from frontend.tenants import cache_salt, resolve_priority
 from frontend.tokenize_pool import TokenizePool
 from frontend.validation import (
@@ -56,6 +57,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._tokenize = tokenize
+        self.grammars = GrammarChecks(metrics)
         self.sessions = SessionServices(link, admission, meter, metrics, log, disagg_min_prompt_tokens)
         # (tenant, request id) of every request from its arrival until it holds no slot -> its session
         self._in_flight: dict[tuple[str, str], RequestSession] = {}
@@ -107,7 +109,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
         check_envelope(request)
         tokenizer = self._models.tokenizer(model)
-        prepared = prepare(request, model, await self._prompt_token_ids(request, model, tokenizer))
+        try:
+            prepared = prepare(request, model, await self._prompt_token_ids(request, model, tokenizer))
+            if prepared.sampling.structured_output is not None:
+                await self.grammars.check(prepared.sampling.structured_output, model, tenant)
+        except StructuredOutputRefused as refusal:
+            self.grammars.count_refusal(refusal)
+            raise
         priority = resolve_priority(tenant, prepared.priority)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         # Every log line of this call's task (and of the tasks it starts) from here on carries the id.

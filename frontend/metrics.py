@@ -188,6 +188,23 @@ class FrontendMetrics:
         )
         for priority in Priority:  # present from the start: a router reads a missing series as no data, not 0
             self.admission_queue_depth.labels(priority.label).set(0)
+        self.structured_output_compile_seconds = Histogram(
+            "tokend:structured_output_compile_seconds",
+            "Compiling a structured output's spec (schema, regex, choice, grammar) not in the cache, in the frontend",
+            ["kind"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=r,
+        )
+        self.structured_output_cache_hits = Counter(
+            "tokend:structured_output_cache_hits", "Structured output specs found compiled in the cache", ["kind"],
+            registry=r,
+        )  # fmt: skip
+        self.structured_output_rejected = Counter(
+            "tokend:structured_output_rejected",
+            "Structured output specs refused before admission, by reason (invalid, too_large, too_slow)",
+            ["kind", "reason"],
+            registry=r,
+        )
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, tuple[float, ...]]] = {}

@@ -58,4 +58,5 @@ class Carryover:
         sampling = msgspec.structs.replace(self.original.sampling, max_tokens=self.tokens_left)
         prompt = [*self.original.prompt_token_ids, *self.generated]
         return msgspec.structs.replace(self.original, prompt_token_ids=prompt, sampling=sampling,
-                                       do_remote_decode=False, kv_transfer_params=kv_transfer_params)  # fmt: skip
+                                       do_remote_decode=False, kv_transfer_params=kv_transfer_params,
+                                       num_generated=len(self.generated))  # fmt: skip

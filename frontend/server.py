@@ -142,6 +142,7 @@ async def serve(spec: FrontendSpec, log) -> None:
         autoscaling.cancel()
     admission.close()
     tokenize.close()
+    generation.grammars.close()
     if control is not None:
         control.close()
     link.close()

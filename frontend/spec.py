@@ -31,6 +31,16 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin: bool = False  # may call the Admin service
     # Tenants with the same cache group share cached prompt pages (e.g. a common system prompt); "" = its own.
     cache_group: str = ""
+    # Structured outputs: the largest spec in bytes and the longest compile in milliseconds its requests may ask
+    # for; 0 = the server's limits (64 KiB, 500 ms).
+    max_structured_output_bytes: int = 0
+    max_grammar_compile_ms: float = 0
+
+    def __post_init__(self) -> None:
+        for key in ("max_structured_output_bytes", "max_grammar_compile_ms"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"tenants.{self.name}.{key}: must be a number >= 0 (0 = the server's), got {value!r}")
 
     def may_use(self, model: str) -> bool:
         return not self.models or model in self.models

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from frontend.errors import RequestError, invalid
+from frontend.structured_outputs import structured_output_of
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.ipc.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
@@ -113,6 +114,7 @@ def _sampling_params(
             presence_penalty=wire.presence_penalty,
             frequency_penalty=wire.frequency_penalty,
             logit_bias=dict(wire.logit_bias),
+            structured_output=structured_output_of(wire),
             **given,
         )
     except ValueError as error:  # SamplingParams names the field; the wire name adds its message

@@ -30,6 +30,8 @@ from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import Scheduler, SchedulerOutput
 from gpu_runtime.sequence import Sequence, SequenceStatus
 from gpu_runtime.step_failure import StepOutOfMemory
+from gpu_runtime.structured.compiler import GrammarCompiler
+from gpu_runtime.structured.masks import GrammarMasks
 from gpu_runtime.tokenizer import Tokenizer
 from gpu_runtime.tp.rank_group import DEFAULT_COLLECTIVE_TIMEOUT_S, RankGroup
 
@@ -38,6 +40,10 @@ class LLMEngine:
     """Owns one model, its KV pool and its scheduler. Not thread-safe: one thread drives it."""
 
     step_failure: StepOutOfMemory | None = None  # the latest step's, if it ran out of device memory
+    # Structured outputs' compiler and mask thread, made with the first constrained request: the tokenizer they
+    # need costs ~0.2 s to build, which an engine that never sees one should not pay at start.
+    _grammars: GrammarCompiler | None = None
+    _grammar_masks: GrammarMasks | None = None
 
     def __init__(self, config: EngineConfig, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         self.config = config
@@ -97,11 +103,20 @@ class LLMEngine:
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         cache_salt: str = "",
+        num_generated: int = 0,
     ) -> None:
-        """Queues a request; raises ValueError naming the field if it can never be served."""
+        """Queues a request; raises ValueError naming the field if it can never be served.
+
+        `num_generated`: the prompt's last tokens are the request's own output from an earlier worker (a handover
+        or a migration continues it here); its structured output's matcher replays them."""
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
+        if not 0 <= num_generated < len(prompt_token_ids):
+            raise ValueError(f"num_generated: must be in [0, {len(prompt_token_ids)}), got {num_generated}")
+        matcher = self._matcher(
+            params, prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated else []
+        )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)  # a seed: the same draws on any device
@@ -115,6 +130,7 @@ class LLMEngine:
             priority=Priority(priority),
             cache_salt=cache_salt,
             arrival_order=next(self._arrivals),
+            matcher=matcher,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -136,12 +152,30 @@ class LLMEngine:
         bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is outside the vocabulary [0, {vocab})")
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # GrammarError (a ValueError) names the field
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
         if not self.kv.fits_pool(longest):
             raise ValueError(
                 f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.num_pages_for(longest)} KV "
                 f"pages, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
             )
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            config = self.model_config
+            self._grammars = GrammarCompiler.for_model(self.model_dir, config.vocab_size, list(config.eos_token_ids))
+            self._grammar_masks = GrammarMasks(config.vocab_size)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams, generated: list[int]):
+        if params.structured_output is None:
+            return None
+        matcher = self.grammars.matcher(params.structured_output)
+        if generated and not matcher.consume_tokens(generated):
+            raise ValueError(f"{params.structured_output.field}: the tokens generated so far do not satisfy it")
+        return matcher
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Drops a request wherever it is and frees its pages; returns its final delta, or None if unknown."""
@@ -197,12 +231,20 @@ class LLMEngine:
 
         Returned rather than handled here: once this frame is gone, so are the step's tensors and the
         traceback that holds them, and their memory can be released."""
+        masks = None
         try:
             inputs = self.runner.prepare(scheduled)
+            # The constrained rows' masks are computed on a thread while the forward runs.
+            masks = self._grammar_masks.start(inputs.sampling) if self._grammar_masks else None
             logits = self.runner.execute(inputs)
+            if masks is not None:
+                masks.apply(logits)
             return inputs, *self.sampler(logits, inputs.sampling)
         except torch.OutOfMemoryError:
             return None
+        finally:
+            if masks is not None:
+                masks.wait()  # the matchers advance next: never while the thread still reads them
 
     def _fail_out_of_memory(self, scheduled: SchedulerOutput) -> list[RequestDelta]:
         """Ends the step's requests with an error their clients read, frees their pages, releases the allocator's
@@ -232,7 +274,7 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, seq.finish_reason)
-        return self._delta(seq, [token], [logprob] if logprob else None, queued_s)
+        return self._delta(seq, [token], [logprob] if logprob else None, queued_s, error=seq.grammar_error)
 
     def _check_when_idle(self) -> None:
         if self.config.debug_checks and not self.scheduler.has_unfinished():
@@ -257,9 +299,11 @@ class LLMEngine:
             self.ranks.check_alive()
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks, if any. Idempotent."""
+        """Stops the other tensor-parallel ranks, if any, and the grammar mask thread. Idempotent."""
         if self.ranks is not None:
             self.ranks.close()
+        if self._grammar_masks is not None:
+            self._grammar_masks.close()
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state in a few numbers, cheap enough to read at every step."""

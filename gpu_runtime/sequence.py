@@ -12,6 +12,7 @@ from gpu_runtime.ipc.messages import TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import llguidance
     import torch
 
     from gpu_runtime.penalties import RowTensors
@@ -53,6 +54,10 @@ class Sequence:
     # What its logit bias and repetition penalty need on the device (the prompt's distinct ids, the bias), made
     # by gpu_runtime.penalties on its first step that needs them and kept, rather than copied over every step.
     penalty_tensors: RowTensors | None = None
+    # Its structured output's state (gpu_runtime.structured): what the grammar allows next. It has consumed
+    # every output token, so a preempted sequence resumes with it as it is.
+    matcher: llguidance.LLMatcher | None = None
+    grammar_error: str | None = None  # why the matcher refused a token (finishes the sequence with ERROR)
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +89,17 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
-        self.finish_reason = self._finish_reason(token_id)
+        self.finish_reason = self._grammar_finish(token_id) or self._finish_reason(token_id)
+
+    def _grammar_finish(self, token_id: int) -> FinishReason | None:
+        """Advances the matcher: STOP once the grammar is complete (nothing may follow but the end), ERROR if it
+        refused the token (the mask should have made that impossible)."""
+        if self.matcher is None:
+            return None
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            self.grammar_error = f"structured_output: {self.matcher.get_error() or f'token {token_id} refused'}"
+            return FinishReason.ERROR
+        return FinishReason.STOP if self.matcher.is_stopped() else None
 
     def _finish_reason(self, token_id: int) -> FinishReason | None:
         if token_id in self.params.stop_token_ids:

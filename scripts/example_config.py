@@ -56,6 +56,8 @@ TENANT_NOTES = {
     "models": "the models it may use; empty = all",
     "admin": "may call the Admin service (drain, load, usage)",
     "cache_group": 'tenants naming the same group share cached prompt pages; "" = its own',
+    "max_structured_output_bytes": "the largest schema, regex or grammar it may send; 0 = the server's 64 KiB",
+    "max_grammar_compile_ms": "the longest a spec of its may take to compile; 0 = the server's 500 ms",
 }
 OPTION_EXAMPLES = {
     "tenants_file": "e.g. /etc/tokend/tenants.toml (0640 root:tokend): [[tenants]] tables only, as at the end of this "

@@ -138,7 +138,7 @@ def test_grpc_takes_the_same_controls(daemon, offline):
         ({"min_tokens": 4}, "min_tokens"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"bad_words": ["x"]}, "bad_words"),
-        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
     ],
     ids=lambda value: json.dumps(value)[:40] if isinstance(value, dict) else value,
 )

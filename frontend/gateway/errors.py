@@ -106,6 +106,8 @@ def from_grpc(code: grpc.StatusCode, details: str | None, chat: bool, trailing_m
     if match:
         field = match.group(1)
         field = field.removeprefix("sampling.")
+        if field.startswith("structured_output"):  # asked for as response_format (or vLLM's structured_outputs)
+            field = "response_format"
         field = _PARAMS.get(field, field).replace("chat.messages", "messages")
         param = "messages" if chat and field == "prompt" else field
         param = {"logprobs": "top_logprobs" if chat else "logprobs"}.get(param, param)

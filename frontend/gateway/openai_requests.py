@@ -14,6 +14,7 @@ import msgspec
 from frontend.gateway.errors import bad_request
 from frontend.gateway.json_wire import MAX_JSON_DEPTH, nesting_exceeds
 from frontend.gateway.request_ids import per_choice
+from frontend.gateway.structured_fields import structured_output
 from tokend.v1 import tokend_pb2 as pb
 
 _UINT32_END = 2**32
@@ -29,11 +30,6 @@ _UNSUPPORTED = {
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "prompt_logprobs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 # A batch of prompts fans out into prompts x n gRPC calls, each holding a place in the frontend's admission queue:
 # the bound keeps one request from filling that queue (256 places by default) on its own.
@@ -74,11 +70,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    # Structured outputs, OpenAI's way and vLLM's (see structured_fields): one of them per request.
+    response_format: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
     # tokend's admission class (vLLM takes an integer here; ours are named): unset is the tenant's own class.
     priority: Literal["interactive", "batch"] | None = None
 
@@ -110,7 +108,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     # vLLM's extensions for the chat template (see docs/chat-templates.md).
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
@@ -183,8 +180,6 @@ def chat_to_grpc(request: ChatCompletionRequest, max_n: int, request_id: str) ->
     if request.tool_choice not in (None, "none", "auto"):
         # The template sees the tools, but nothing parses or forces a call in the output.
         raise bad_request("only tool_choice 'auto' or 'none' is supported (tool calls are not parsed)", "tool_choice")
-    if request.response_format not in (None, {"type": "text"}):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = None
     if request.logprobs:
@@ -240,6 +235,8 @@ def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | N
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias={int(key): bias for key, bias in (request.logit_bias or {}).items()},
     )
+    if (constraint := structured_output(request)) is not None:
+        sampling.structured_output.CopyFrom(constraint)
     # Unset stays unset, so that the model's generation_config.json defaults apply (see protos' SamplingParams).
     for name in ("top_k", "min_p", "repetition_penalty"):
         if (value := getattr(request, name)) is not None:

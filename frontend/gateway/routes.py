@@ -26,6 +26,7 @@ from frontend.gateway.openai_requests import (
 from frontend.gateway.openai_responses import ResponseShape
 from frontend.gateway.playground_page import page_response
 from frontend.gateway.spec import GatewaySpec
+from frontend.gateway.structured_fields import structured_param
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
@@ -67,7 +68,12 @@ class GatewayRoutes:
     async def _generate(self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool) -> Response:
         metadata = _auth_metadata(request)
         calls = GenerateCalls(pb_grpc.GenerationStub(self.channel), grpc_requests, metadata, chat, per_prompt=body.n)
-        await calls.admitted()  # a refusal becomes a real HTTP status, before any byte of a stream
+        try:
+            await calls.admitted()  # a refusal becomes a real HTTP status, before any byte of a stream
+        except OpenAIError as error:
+            if error.param == "response_format":  # the frontend's structured_output: name the field the client sent
+                error.param = structured_param(body) or error.param
+            raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         model, n = calls.model or body.model, len(grpc_requests)
         shape = ResponseShape(chat, model, n, include_usage, wants_logprobs, request_ids.of(request), per_prompt=body.n)

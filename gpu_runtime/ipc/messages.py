@@ -46,6 +46,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", forbid_unknown_fields=T
     do_remote_decode: bool = False
     # The decode worker's part: pull these pages first, then run the request as a prefix hit on them.
     kv_transfer_params: KVTransferParams | None = None
+    # A continuation (a handover's decode part, a migration): the prompt's last tokens are the request's own output
+    # so far, which its structured output's matcher replays before it constrains the next token.
+    num_generated: int = 0
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
@@ -156,6 +159,8 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     # ipc:// where it serves KV pulls when it is a prefill worker: the only address the frontend lets a handover
     # of its requests name (KVTransferParams.remote_address).
     kv_address: str = ""
+    # The ids that end generation (the frontend compiles structured outputs with them, as the engine does).
+    eos_token_ids: tuple[int, ...] = ()
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from common.checks import is_int, is_number, require
+from gpu_runtime.ipc.structured_output import StructuredOutput
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -33,6 +34,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # (token id, bias) pairs added to those tokens' logits before the penalties; a dict is accepted and kept
     # sorted by id, so that equal requests are equal (and hashable) whatever order their bias came in.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output must satisfy this (a JSON Schema, a regex, a grammar...): every step, tokens it does not allow
+    # are masked out before anything else sees the logits (gpu_runtime.structured).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)

@@ -227,9 +227,8 @@ class SchedulerLoop:
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
         try:
-            self.engine.add_request(
-                message.request_id, message.prompt_token_ids, message.sampling, message.priority, message.cache_salt
-            )
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.sampling, message.priority,
+                                    message.cache_salt, message.num_generated)  # fmt: skip
         except ValueError as error:  # the frontend validates first; this is the backstop
             self._log.warning("request_refused", request_id=message.request_id, error=str(error))
             num_prompt = len(message.prompt_token_ids)
@@ -290,6 +289,7 @@ class SchedulerLoop:
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             role=self.spec.role,
             kv_address=kv_address,
+            eos_token_ids=tuple(engine.model_config.eos_token_ids),
         )
 
     def _report_when_due(self, force: bool = False) -> None:

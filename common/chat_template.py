@@ -62,6 +62,11 @@ class ChatTemplate:
         self._special_tokens = special_tokens
         self.source = source
 
+    @property
+    def text(self) -> str:
+        """Every template's source, joined (what names the model's tool-call format, for one)."""
+        return "\n".join(self._sources.values())
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, override: str | Path | None = None) -> ChatTemplate | None:
         """The model's template(s), or None when it has none; ChatTemplateLoadError when one does not compile."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
 
 import grpc
+import msgspec
 import structlog
 
 from common.chat_template import ChatTemplateError, chat_options
@@ -24,7 +26,10 @@ from frontend.spec import TenantSpec
 from frontend.structured_outputs import GrammarChecks, StructuredOutputRefused
 from frontend.tenants import cache_salt, resolve_priority
 from frontend.tokenize_pool import TokenizePool
+from frontend.tool_calls.choice import plan as plan_tools
+from frontend.tool_calls.choice import read_tools, reader_for_template
 from frontend.validation import (
+    PreparedRequest,
     PromptText,
     chat_messages,
     check_envelope,
@@ -34,6 +39,7 @@ from frontend.validation import (
     prompt_input,
 )
 from gpu_runtime.ipc.messages import AddRequest
+from gpu_runtime.ipc.structured_output import StructuredOutput
 from gpu_runtime.tokenizer import TooManyTokens
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
@@ -109,10 +115,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
         check_envelope(request)
         tokenizer = self._models.tokenizer(model)
+        calls = None
         try:
             prepared = prepare(request, model, await self._prompt_token_ids(request, model, tokenizer))
             if prepared.sampling.structured_output is not None:
                 await self.grammars.check(prepared.sampling.structured_output, model, tenant)
+            if request.HasField("chat") and request.chat.tools_json:
+                prepared, calls = await self._tool_plan(request.chat, prepared, model, tenant)
         except StructuredOutputRefused as refusal:
             self.grammars.count_refusal(refusal)
             raise
@@ -127,11 +136,31 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise invalid(f"request_id: {request_id!r} is already in flight")
         record_id = self._meter.new_record_id()
         message = AddRequest(record_id, prepared.prompt_token_ids, prepared.sampling, priority, cache_salt(tenant))
-        builder = ChunkBuilder(request_id, model_name, tokenizer, prepared.stop)
+        builder = ChunkBuilder(request_id, model_name, tokenizer, prepared.stop, calls)
         facts = SessionRequest(record_id, request_id, tenant, model_name, priority, message, builder, arrived)
         session = self._in_flight[key] = RequestSession(self.sessions, facts,
                                                         on_released=lambda: self._in_flight.pop(key, None))  # fmt: skip
         return session
+
+    async def _tool_plan(self, chat: pb.ChatMessages, prepared: PreparedRequest, model, tenant):
+        """The request with its tool_choice enforced (a required or named call), and the reader of its calls; each
+        tool's parameters are compiled (cached) so that a schema that cannot be enforced is refused naming it."""
+        tools = read_tools(chat.tools_json)
+        for index, tool in enumerate(tools):
+            await self.grammars.check(StructuredOutput.json_schema(tool.parameters), model, tenant,
+                                      field=f"chat.tools_json[{index}].function.parameters")  # fmt: skip
+        parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+        template = self._models.chat_template(model)
+        tool_plan = plan_tools(
+            tools, chat.tool_choice, parallel, reader_for_template(template.text if template else "")
+        )
+        if tool_plan.constraint is not None:
+            if prepared.sampling.structured_output is not None:
+                raise invalid("chat.tool_choice: a required or named call cannot have a structured_output besides")
+            await self.grammars.check(tool_plan.constraint, model, tenant, field="chat.tool_choice")
+            sampling = msgspec.structs.replace(prepared.sampling, structured_output=tool_plan.constraint)
+            prepared = dataclasses.replace(prepared, sampling=sampling)
+        return prepared, tool_plan.new_reader()
 
     async def _prompt_token_ids(self, request: pb.GenerateRequest, model, tokenizer) -> list[int]:
         """The prompt as token ids; text is tokenized on a worker thread, never on this loop."""

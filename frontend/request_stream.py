@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from frontend.metering import TokenCounts
 from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
+from frontend.tool_calls.calls import CallReader
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import RequestDelta
 from gpu_runtime.tokenizer import Tokenizer
@@ -14,12 +15,15 @@ class ChunkBuilder:
     """Detokenizes incrementally and cuts at stop strings. Which delta ends the request, and what it cost so far,
     is its session's to say (a worker's final delta may hand the request on to the next worker)."""
 
-    def __init__(self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(
+        self, request_id: str, model_name: str, tokenizer: Tokenizer, stop: list[str], calls: CallReader | None = None
+    ):
         self.request_id = request_id
         self.model_name = model_name
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer.backend)
         self._stop = StopStringMatcher(stop)
+        self._calls = calls  # reads tool calls out of the text (a chat request with tools)
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -43,6 +47,12 @@ class ChunkBuilder:
         if self._stop.matched is not None:
             finish_reason = FinishReason.STOP
         self.finish_reason = finish_reason
+        calls = []
+        if self._calls is not None:
+            piece = self._calls.feed(text)
+            if finish_reason is not None:
+                piece += self._calls.finish()
+            text, calls = piece.content, piece.calls
         usage = pb.Usage(
             prompt_tokens=counts.prompt_tokens,
             completion_tokens=counts.completion_tokens,
@@ -53,10 +63,17 @@ class ChunkBuilder:
             token_ids=token_ids,
             text=text,
             usage=usage,
-            finish_reason=finish_reason or "",
+            finish_reason=self._finish_label(finish_reason),
             logprobs=self._logprobs(deltas),
             model=self.model_name,
+            tool_calls=[pb.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments) for c in calls],
         )
+
+    def _finish_label(self, finish_reason: FinishReason | None) -> str:
+        """The API's finish_reason: "tool_calls" for a turn that stopped after calling tools."""
+        if finish_reason is FinishReason.STOP and self._calls is not None and self._calls.num_calls:
+            return "tool_calls"
+        return finish_reason or ""
 
     def _logprobs(self, deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
         text = self._tokenizer.token_text

@@ -70,8 +70,11 @@ class GrammarChecks:
         self._compilers: dict[str, asyncio.Future[GrammarCompiler]] = {}  # by model directory
         self._executor = ThreadPoolExecutor(_NUM_THREADS, thread_name_prefix="grammar")
 
-    async def check(self, output: StructuredOutput, model: SchedulerReady, tenant: TenantSpec | None) -> None:
-        field = f"sampling.{output.field}"
+    async def check(
+        self, output: StructuredOutput, model: SchedulerReady, tenant: TenantSpec | None, field: str | None = None
+    ) -> None:
+        """Raises StructuredOutputRefused naming `field` (default: sampling.structured_output.<kind>)."""
+        field = field or f"sampling.{output.field}"
         max_bytes = (tenant.max_structured_output_bytes if tenant else 0) or MAX_SPEC_BYTES
         size = len(output.spec.encode())
         kind = output.kind.value
@@ -84,7 +87,7 @@ class GrammarChecks:
         try:
             compiled = await loop.run_in_executor(self._executor, compiler.compile, output)
         except GrammarError as error:
-            raise StructuredOutputRefused(kind, "invalid", f"sampling.{error}") from None
+            raise StructuredOutputRefused(kind, "invalid", f"{field}: {error.reason}") from None
         if compiler.hits > hits:
             self._metrics.structured_output_cache_hits.labels(kind).inc()
         else:

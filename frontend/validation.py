@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from frontend.errors import RequestError, invalid
 from frontend.structured_outputs import structured_output_of
+from frontend.tool_calls.messages import template_message
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.ipc.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
@@ -125,15 +126,18 @@ def _sampling_params(
     return params, stop
 
 
-def chat_messages(request: pb.GenerateRequest) -> list[dict[str, str]]:
+def chat_messages(request: pb.GenerateRequest) -> list[dict]:
     """The conversation of a chat request as the template expects it; INVALID_ARGUMENT names a bad message."""
     messages = request.chat.messages
     if not 1 <= len(messages) <= MAX_CHAT_MESSAGES:
         raise invalid(f"chat.messages: must hold 1 to {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+    call_ids: set[str] = set()
+    out = []
     for index, message in enumerate(messages):
         if not message.role or len(message.role) > 64:
             raise invalid(f"chat.messages[{index}].role: must be a non-empty name of at most 64 characters")
-    return [{"role": message.role, "content": message.content} for message in messages]
+        out.append(template_message(message, index, call_ids))
+    return out
 
 
 def prompt_input(request: pb.GenerateRequest, model: SchedulerReady, chat_prompt: str | None) -> PromptText | list[int]:

@@ -133,9 +133,14 @@ def test_the_daemon_serves_the_checkpoints_template(checkpoint):
         body = {"messages": continued[:1], "max_tokens": 1, "tools": tools}
         reply = httpx.post(f"{daemon.http_url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["usage"]["prompt_tokens"] == len(expected_ids(tokenizer, continued[:1], tools=tools))
-        body["tool_choice"] = "required"  # nothing here could force a call
-        reply = httpx.post(f"{daemon.http_url}/v1/chat/completions", json=body, timeout=60)
-        assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
+        # A required call is enforced: with no arguments to choose and one call allowed, the whole turn is forced.
+        no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+        tools[0]["function"]["parameters"] = no_arguments
+        body |= {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64}
+        reply = httpx.post(f"{daemon.http_url}/v1/chat/completions", json=body, timeout=60).json()
+        (call,) = reply["choices"][0]["message"]["tool_calls"]
+        assert call["function"] == {"name": "weather", "arguments": "{}"}
+        assert reply["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_raise_exception_at_render_time_is_a_400_naming_messages(checkpoint, tmp_path):

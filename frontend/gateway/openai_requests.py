@@ -99,6 +99,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, as OpenAI returned them
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -108,6 +110,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extensions for the chat template (see docs/chat-templates.md).
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
@@ -177,9 +180,7 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
 
 def chat_to_grpc(request: ChatCompletionRequest, max_n: int, request_id: str) -> list[pb.GenerateRequest]:
     _check_common(request, max_n)
-    if request.tool_choice not in (None, "none", "auto"):
-        # The template sees the tools, but nothing parses or forces a call in the output.
-        raise bad_request("only tool_choice 'auto' or 'none' is supported (tool calls are not parsed)", "tool_choice")
+    tool_choice = _tool_choice(request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = None
     if request.logprobs:
@@ -189,13 +190,15 @@ def chat_to_grpc(request: ChatCompletionRequest, max_n: int, request_id: str) ->
     sampling = _sampling(request, max_tokens, logprobs)
     if max_tokens is None:
         sampling.fill_context = True  # OpenAI's chat default: up to the end of the context
-    messages = [pb.ChatMessage(role=m.role, content=_text(m, index)) for index, m in enumerate(request.messages)]
+    messages = [_message(m, index) for index, m in enumerate(request.messages)]
     chat = pb.ChatMessages(
         messages=messages,
         add_generation_prompt=request.add_generation_prompt,  # None leaves it unset: the template's default
         continue_final_message=request.continue_final_message,
-        tools_json=json.dumps(request.tools) if request.tools and request.tool_choice != "none" else "",
+        tools_json=json.dumps(request.tools) if request.tools and tool_choice != "none" else "",
         template_kwargs_json=json.dumps(request.chat_template_kwargs) if request.chat_template_kwargs else "",
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,  # None leaves it unset: parallel calls allowed
     )
     base = pb.GenerateRequest(model=request.model, sampling=sampling, chat=chat, priority=_priority(request))
     return _choices(base, per_choice(request_id, request.n))
@@ -274,6 +277,32 @@ def _choices(base: pb.GenerateRequest, choice_ids: list[str]) -> list[pb.Generat
             request.sampling.seed = (base.sampling.seed + index) % 2**64
         requests.append(request)
     return requests
+
+
+def _tool_choice(request: ChatCompletionRequest) -> str:
+    """OpenAI's tool_choice as the frontend's string: auto, none, required, or a function's name."""
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request('tool_choice: must be auto, none, required or {"type": "function", "function": '
+                              '{"name": ...}}', "tool_choice")  # fmt: skip
+        choice = function["name"]
+    elif choice not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice: must be auto, none, required or a function, got {choice!r}", "tool_choice")
+    if choice not in (None, "auto", "none") and not request.tools:
+        raise bad_request("tool_choice: asks for a tool call, but the request gives no tools", "tool_choice")
+    return choice or ""
+
+
+def _message(message: ChatMessage, index: int) -> pb.ChatMessage:
+    return pb.ChatMessage(
+        role=message.role,
+        content=_text(message, index),
+        name=message.name or "",
+        tool_calls_json=json.dumps(message.tool_calls) if message.tool_calls else "",
+        tool_call_id=message.tool_call_id or "",
+    )
 
 
 def _text(message: ChatMessage, index: int) -> str:

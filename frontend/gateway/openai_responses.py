@@ -19,6 +19,7 @@ class ChoiceState:
     usage: pb.Usage | None = None
     finish_reason: str | None = None
     text_offset: int = 0  # characters emitted so far (completions logprobs' text_offset)
+    tool_calls: dict[int, dict] = field(default_factory=dict)  # by index: OpenAI's call objects, arguments joined
 
 
 class ResponseShape:
@@ -69,6 +70,9 @@ class ResponseShape:
             # The role rides on the choice's first token, never ahead of it: clients that time the first token
             # by the first chunk (vLLM's benchmark does) would otherwise time the end of admission, not of prefill.
             delta = {"role": "assistant", "content": response.text} if first else {"content": response.text}
+            if response.tool_calls:
+                delta["tool_calls"] = [_call_delta(call) for call in response.tool_calls]
+                _record_calls(choice, response.tool_calls)
             entry = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             entry = {"index": index, "text": response.text, "logprobs": logprobs}
@@ -99,6 +103,9 @@ class ResponseShape:
             entry = {"index": choice.index, "logprobs": logprobs, "finish_reason": choice.finish_reason}
             if self.chat:
                 entry["message"] = {"role": "assistant", "content": text}
+                if choice.tool_calls:  # as OpenAI: content null when the turn is calls alone
+                    calls = [choice.tool_calls[i] for i in sorted(choice.tool_calls)]
+                    entry["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
             else:
                 entry["text"] = text
             choices.append(entry)
@@ -155,3 +162,23 @@ class ResponseShape:
             "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets,
         }
+
+
+def _call_delta(call: pb.ToolCallDelta) -> dict:
+    """A call's piece in OpenAI's chunk shape: index always; id, type and name with its first piece."""
+    delta: dict = {"index": call.index}
+    function: dict = {"arguments": call.arguments}
+    if call.id:
+        delta |= {"id": call.id, "type": "function"}
+        function["name"] = call.name
+    delta["function"] = function
+    return delta
+
+
+def _record_calls(choice: ChoiceState, calls) -> None:
+    for call in calls:
+        entry = choice.tool_calls.setdefault(call.index, {"id": "", "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})  # fmt: skip
+        entry["id"] = call.id or entry["id"]
+        entry["function"]["name"] = call.name or entry["function"]["name"]
+        entry["function"]["arguments"] += call.arguments

@@ -1,0 +1,153 @@
+"""Tool calls served on the default model through the official `openai` client: `required` and a named function
+give calls whose arguments validate against the function's parameters (enforced), streamed calls join to the
+whole body's, a tool loop (call, result, answer) completes, and bad tool requests are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from daemon_harness import Daemon
+from harness.schema_corpus import validator
+
+pytestmark = pytest.mark.daemon
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                       "required": ["zone"], "additionalProperties": False},
+    },
+}  # fmt: skip
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon("--model", "SmolLM2-135M-Instruct", "--max-num-seqs", "16") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _valid(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    validator(PARAMETERS[call.function.name]).validate(json.loads(call.function.arguments))
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_calls_are_valid_in_every_sampled_reply(client, tool_choice):
+    def ask(seed: int):
+        return client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                              temperature=1.0, seed=seed, max_tokens=80)  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, range(16)))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls and not choice.message.content
+        for call in choice.message.tool_calls:
+            _valid(call)
+            if isinstance(tool_choice, dict):
+                assert call.function.name == "get_time"
+
+
+def test_one_call_only_without_parallel_tool_calls(client):
+    reply = client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=80)  # fmt: skip
+    assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def test_streamed_call_deltas_join_to_the_whole_calls(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0,
+                                           max_tokens=80)  # fmt: skip
+    stream = client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0,
+                                            max_tokens=80, stream=True)  # fmt: skip
+    pieces, finish, ids = [], None, set()
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            pieces.append(delta.function.arguments or "")
+            if delta.id:
+                ids.add(delta.id)
+                assert delta.function.name == "get_weather"
+        finish = chunk.choices[0].finish_reason or finish
+    assert len(pieces) > 1  # the arguments streamed as they were generated
+    assert "".join(pieces) == whole.choices[0].message.tool_calls[0].function.arguments
+    assert len(ids) == 1 and finish == "tool_calls"
+
+
+def test_a_tool_loop_call_result_answer_completes(client):
+    first = client.chat.completions.create(model="", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]  # fmt: skip
+    answer = client.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=24, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integr"}}}],
+          "tool_choice": "auto"}, "chat.tools_json[0].function.parameters", "Invalid type"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "chat.tool_choice",
+         "no function named 'nope'"),
+        ({"tool_choice": "required"}, "tool_choice", "gives no tools"),
+        ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "1"}], "tools": TOOLS},
+         "chat.messages[1].tool_call_id", "answers no earlier tool call"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s_naming_the_field(client, fields, param, words):
+    body = {"model": "", "messages": ASK, "max_tokens": 4, **fields}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**body)
+    assert raised.value.status_code == 400
+    assert param in raised.value.body["message"] and words in raised.value.body["message"]
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_against_tokend(daemon):
+    """An agent framework nobody here wrote: the Agents SDK on the chat completions API calls our tool with valid
+    arguments, sends the result back, and finishes the run with the model's answer."""
+    agents = pytest.importorskip("agents")
+    called = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"21 degrees and sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=f"{daemon.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct", openai_client=client)
+    # required for the first turn; the SDK resets tool_choice after a call, so the next turn answers in text.
+    settings = agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0)
+    agent = agents.Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
+                         model_settings=settings)  # fmt: skip
+    agents.set_tracing_disabled(True)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert called and all(isinstance(city, str) for city in called)
+    assert isinstance(result.final_output, str) and result.final_output

@@ -29,7 +29,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from bench_engine import emit_json  # noqa: E402
 from harness.local_daemon import LocalDaemon  # noqa: E402
-from llguidance.torch import fill_next_token_bitmask_par  # noqa: E402
 
 from daemon.bench.metrics import percentile  # noqa: E402
 from daemon.bench.stream_client import StreamRecord, stream_generate_blocking  # noqa: E402
@@ -37,7 +36,7 @@ from gpu_runtime.default_model import DEFAULT_MODEL_NAME, resolve_model_dir  # n
 from gpu_runtime.ipc.structured_output import StructuredOutput  # noqa: E402
 from gpu_runtime.model.config import load_capped_model_config  # noqa: E402
 from gpu_runtime.structured.compiler import GrammarCompiler  # noqa: E402
-from gpu_runtime.structured.masks import PendingMasks  # noqa: E402
+from gpu_runtime.structured.masks import PendingMasks, fill_bitmask  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 
 # Rows of records far longer than any --output-len: every constrained stream runs to max_tokens.
@@ -136,7 +135,7 @@ def mask_cost(model_dir: Path, rows: int, steps: int) -> dict:
     for _ in range(steps):
         logits = torch.randn(rows, config.vocab_size)
         started = time.perf_counter()
-        fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        fill_bitmask(executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         fill_s += time.perf_counter() - started
         started = time.perf_counter()
         PendingMasks(list(range(rows)), bitmask, ready).apply(logits)

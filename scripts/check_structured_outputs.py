@@ -1,7 +1,9 @@
 """Structured outputs checked as a client sees them: the official `openai` client against the gateway of a daemon on
 the default model, --schemas varied JSON Schemas (tests/harness/schema_corpus.py) at temperature 1.0 through
-response_format, then regexes and choices through vLLM's structured_outputs field. Every output that finishes with
-`stop` must parse and validate (jsonschema, formats checked), match its regex or be one of its choices. Prints JSON
+response_format, then regexes and choices through vLLM's structured_outputs field, then --tool-calls requests
+each with tool_choice "required" and with a named function (every call's arguments validated). Every output that
+finishes with `stop` must parse and validate (jsonschema, formats checked), match its regex or be one of its
+choices. Prints JSON
 (--out writes it too); exits 1 if any output that stopped is invalid.
 
     .venv/bin/python scripts/check_structured_outputs.py [--schemas 200] [--out docs/benchmarks/structured_outputs.json]
@@ -75,9 +77,46 @@ def check_regexes_and_choices(client: openai.OpenAI, per_spec: int) -> dict:
     return {"regex": _summary(regex), "choice": _summary(choice)}
 
 
-def _summary(results: list[dict]) -> dict:
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "maxLength": 40},
+                                         "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["query"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def check_tool_calls(client: openai.OpenAI, count: int, concurrency: int) -> dict:
+    """tool_choice required and a named function at temperature 1.0: every call's arguments validate."""
+    parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    messages = [{"role": "user", "content": "What is the weather in Lisbon, and find me a bakery?"}]
+
+    def one(args: tuple[int, object]) -> dict:
+        seed, choice = args
+        reply = client.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=120)  # fmt: skip
+        result = reply.choices[0]
+        calls = result.message.tool_calls or []
+        bad = [
+            c for c in calls if not validator(parameters[c.function.name]).is_valid(json.loads(c.function.arguments))
+        ]
+        # Counted by whether calls came (a list cut by max_tokens keeps its complete calls: finish_reason length).
+        outcome = {"finish_reason": "calls" if calls else "no_call", "api_finish_reason": result.finish_reason}
+        return outcome | ({"invalid": str(bad[0]), "spec": str(choice)} if bad else {})
+
+    named = {"type": "function", "function": {"name": "search"}}
+    with ThreadPoolExecutor(concurrency) as pool:
+        required = list(pool.map(one, [(seed, "required") for seed in range(count)]))
+        forced = list(pool.map(one, [(seed, named) for seed in range(count)]))
+    return {"required": _summary(required, "calls"), "named": _summary(forced, "calls")}
+
+
+def _summary(results: list[dict], complete: str = "stop") -> dict:
     invalid = [r for r in results if "invalid" in r]
-    stopped = sum(r["finish_reason"] == "stop" for r in results)
+    stopped = sum(r["finish_reason"] == complete for r in results)
     return {
         "requests": len(results),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in results)),
@@ -95,6 +134,7 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--per-spec", type=int, default=8)
+    parser.add_argument("--tool-calls", type=int, default=100)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     started = time.monotonic()
@@ -103,9 +143,11 @@ def main() -> None:
         result = {"model": DEFAULT_MODEL_NAME, "client": f"openai {openai.__version__}", "temperature": 1.0}
         result["json_schema"] = check_schemas(client, args.schemas, args.concurrency)
         result |= check_regexes_and_choices(client, args.per_spec)
+        result["tool_calls"] = check_tool_calls(client, args.tool_calls, args.concurrency)
     result["seconds"] = round(time.monotonic() - started, 1)
     emit_json(result, args.out)
-    sys.exit(1 if any(part["invalid"] for part in (result["json_schema"], result["regex"], result["choice"])) else 0)
+    parts = [result["json_schema"], result["regex"], result["choice"], *result["tool_calls"].values()]
+    sys.exit(1 if any(part["invalid"] for part in parts) else 0)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,37 @@ def test_repeat_products_and_accepting_paths():
     assert repeat_product(r"\p{L}{5}") == 1  # Rust-only syntax: left to llguidance
     assert has_accepting_path('start: a\na: "x" a | "y"')
     assert not has_accepting_path('start: a b\na: "x"\nb: b "y"')
+
+
+def test_a_tenants_limits_on_spec_size_and_compile_time_are_refusals_naming_the_field():
+    import asyncio
+
+    from frontend.metrics import FrontendMetrics
+    from frontend.spec import TenantSpec
+    from frontend.structured_outputs import GrammarChecks, StructuredOutputRefused
+    from gpu_runtime.ipc.messages import SchedulerReady
+
+    model = SchedulerReady("w", "i", 1, "m", str(ensure_default_model()), "g", 2048, 49152, 64, 16, 8, b"",
+                           eos_token_ids=(2,))  # fmt: skip
+    checks = GrammarChecks(FrontendMetrics())
+    schema = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    small = TenantSpec("small", "0" * 64, max_structured_output_bytes=16)
+    hasty = TenantSpec("hasty", "0" * 64, max_grammar_compile_ms=0.000001)
+    roomy = TenantSpec("roomy", "0" * 64)
+
+    async def run():
+        await checks.check(schema, model, roomy)
+        for tenant, reason, words in [(small, "too_large", "over this tenant's limit of 16"),
+                                      (hasty, "too_slow", "over the limit of 1e-06 ms")]:  # fmt: skip
+            with pytest.raises(StructuredOutputRefused) as raised:
+                await checks.check(schema, model, tenant)
+            assert raised.value.reason == reason
+            assert (
+                raised.value.message.startswith("sampling.structured_output.json_schema: ")
+                and words in raised.value.message
+            )
+
+    try:
+        asyncio.run(run())
+    finally:
+        checks.close()

@@ -151,3 +151,50 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_against_tokend(daemon):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert called and all(isinstance(city, str) for city in called)
     assert isinstance(result.final_output, str) and result.final_output
+
+
+# -- the Responses API ------------------------------------------------------------------------------------------
+
+FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_responses_create_answers_text_json_schema_and_function_calls(client):
+    text = client.responses.create(model="", input="Say hello.", instructions="Be brief.", max_output_tokens=16)
+    assert text.status in ("completed", "incomplete") and text.output_text
+    assert text.usage.input_tokens > 0 and text.usage.output_tokens > 0
+    schema = PARAMETERS["get_weather"]
+    weather_json = {"format": {"type": "json_schema", "name": "w", "schema": schema}}
+    structured = client.responses.create(model="", input="Weather in Rome as JSON", max_output_tokens=60,
+                                         text=weather_json)  # fmt: skip
+    validator(schema).validate(json.loads(structured.output_text))
+    called = client.responses.create(model="", input="Weather in Paris?", tools=FLAT_TOOLS, tool_choice="required",
+                                     max_output_tokens=80)  # fmt: skip
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(validator(PARAMETERS[c.name]).is_valid(json.loads(c.arguments)) for c in calls)
+
+
+def test_responses_stream_and_a_two_turn_tool_loop(client):
+    named = {"type": "function", "name": "get_weather"}
+    with client.responses.stream(model="", input="Weather in Oslo?", tools=FLAT_TOOLS, tool_choice=named,
+                                 max_output_tokens=80) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert call.name == "get_weather" and validator(PARAMETERS["get_weather"]).is_valid(json.loads(call.arguments))
+    follow_up = [{"role": "user", "content": "Weather in Oslo?"},
+                 {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "3 degrees, snow"}]  # fmt: skip
+    with client.responses.stream(model="", input=follow_up, tools=FLAT_TOOLS, max_output_tokens=24) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        answer = stream.get_final_response()
+    assert deltas and "".join(deltas) == answer.output_text
+
+
+@pytest.mark.parametrize("field", ["previous_response_id", "store"])
+def test_responses_refuse_server_side_state_naming_the_field(client, field):
+    value = "resp_123" if field == "previous_response_id" else True
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model="", input="Hi", **{field: value})
+    assert raised.value.body["param"] == field

@@ -57,6 +57,7 @@ def build_app(spec: GatewaySpec) -> Starlette:
         routes=[
             Route("/v1/completions", counted("/v1/completions", routes.completions), methods=["POST"]),
             Route("/v1/chat/completions", counted("/v1/chat/completions", routes.chat_completions), methods=["POST"]),
+            Route("/v1/responses", counted("/v1/responses", routes.responses), methods=["POST"]),
             Route("/v1/models", counted("/v1/models", routes.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", counted("/v1/models/{id}", routes.model), methods=["GET"]),
             Route("/health", counted("/health", routes.health), methods=["GET"]),

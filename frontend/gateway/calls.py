@@ -71,7 +71,7 @@ class GenerateCalls:
     async def collect(self, shape: ResponseShape) -> dict:
         """Reads every call to its end and returns the whole response body."""
         try:
-            async for index, response in self._responses():
+            async for index, response in self.responses():
                 shape.chunk(index, response)
         except grpc.aio.AioRpcError as error:
             raise from_grpc(error.code(), error.details(), self.chat, error.trailing_metadata()) from None
@@ -83,7 +83,7 @@ class GenerateCalls:
         """SSE events as the tokens arrive, from all choices interleaved; a comment keeps a quiet line open. Nothing
         but comments goes out before a choice's first token (chat's role chunk included)."""
         try:
-            async for index, response in self._responses(keepalive_s):
+            async for index, response in self.responses(keepalive_s):
                 yield ": keep-alive\n\n" if response is None else sse_event(shape.chunk(index, response))
             if shape.include_usage:
                 yield sse_event(shape.usage_chunk())
@@ -94,7 +94,7 @@ class GenerateCalls:
             # Also runs when the client goes away: the calls' cancellation aborts their sequences.
             self.cancel()
 
-    async def _responses(self, keepalive_s: float | None = None):
+    async def responses(self, keepalive_s: float | None = None):
         """(choice index, response) as they arrive until every call ended; (None, None) after each quiet spell of
         keepalive_s. A failed call raises its AioRpcError."""
         open_calls = len(self.calls)

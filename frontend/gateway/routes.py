@@ -25,6 +25,9 @@ from frontend.gateway.openai_requests import (
 )
 from frontend.gateway.openai_responses import ResponseShape
 from frontend.gateway.playground_page import page_response
+from frontend.gateway.responses_request import ResponsesRequest, to_chat
+from frontend.gateway.responses_route import collect_response, response_events
+from frontend.gateway.responses_shape import ResponsesShape
 from frontend.gateway.spec import GatewaySpec
 from frontend.gateway.structured_fields import structured_param
 from tokend.v1 import tokend_pb2 as pb
@@ -64,6 +67,18 @@ class GatewayRoutes:
         body = decode(await request.body(), ChatCompletionRequest)
         grpc_requests = chat_to_grpc(body, self.spec.max_n, request_ids.of(request))
         return await self._generate(request, body, grpc_requests, chat=True, wants_logprobs=body.logprobs)
+
+    async def responses(self, request: Request) -> Response:
+        """The Responses API, stateless: the chat request it means, answered in its own shapes."""
+        body = decode(await request.body(), ResponsesRequest)
+        grpc_requests = chat_to_grpc(to_chat(body), self.spec.max_n, request_ids.of(request))
+        calls = GenerateCalls(pb_grpc.GenerationStub(self.channel), grpc_requests, _auth_metadata(request), chat=True)
+        await calls.admitted()
+        shape = ResponsesShape(body, calls.model or body.model, request_ids.of(request))
+        if not body.stream:
+            return LineSafeJSONResponse(await _until_disconnect(request, collect_response(calls, shape), calls))
+        events = response_events(calls, shape, self.spec.keepalive_s)
+        return StreamingResponse(self._counted(events), media_type="text/event-stream", headers=_SSE_HEADERS)
 
     async def _generate(self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool) -> Response:
         metadata = _auth_metadata(request)

@@ -28,6 +28,9 @@ class Piece:
         self.calls += other.calls
         return self
 
+    def __add__(self, other: Piece) -> Piece:
+        return Piece(self.content + other.content, self.calls + other.calls)
+
 
 def call_id() -> str:
     """OpenAI's shape of a call id: `call_` and 24 random characters."""

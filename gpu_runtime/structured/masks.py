@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 import torch
-from llguidance.torch import fill_next_token_bitmask_par
 
 from gpu_runtime.sequence import Sequence
 
@@ -47,6 +46,15 @@ class PendingMasks:
         self.done.exception()
 
 
+def fill_bitmask(executor: llguidance.LLExecutor, matchers: list, bitmask: torch.Tensor) -> None:
+    """llguidance fills each (matcher, row) of `bitmask` ([rows, words] int32, contiguous, on the CPU) in parallel.
+
+    What llguidance.torch.fill_next_token_bitmask_par does, called directly: importing that module compiles a
+    helper with torch.compile, which loads torch._dynamo, 2.4 s at every scheduler start."""
+    rows, words = bitmask.shape
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
+
+
 class GrammarMasks:
     def __init__(self, vocab_size: int):
         self._words = (vocab_size + 31) // 32
@@ -60,8 +68,7 @@ class GrammarMasks:
             return None
         bitmask = torch.empty((len(rows), self._words), dtype=torch.int32)
         matchers = [(seqs[row].matcher, index) for index, row in enumerate(rows)]
-        return PendingMasks(rows, bitmask, self._thread.submit(fill_next_token_bitmask_par, self._executor,
-                                                               matchers, bitmask))  # fmt: skip
+        return PendingMasks(rows, bitmask, self._thread.submit(fill_bitmask, self._executor, matchers, bitmask))
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

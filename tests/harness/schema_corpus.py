@@ -9,6 +9,7 @@ finishes most outputs inside a few hundred tokens.
 from __future__ import annotations
 
 import random
+import re
 
 import jsonschema
 
@@ -25,9 +26,24 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
 
 
 def validator(schema: dict) -> jsonschema.protocols.Validator:
-    """A validator that also checks `format` (jsonschema skips formats unless asked)."""
+    """A validator that also checks `format` (jsonschema skips formats unless asked), `date` as RFC 3339 defines a
+    full-date: jsonschema's own checker asks Python's datetime, which has no year 0000, a year RFC 3339 allows."""
     cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    checker = jsonschema.FormatChecker()
+    checker.checks("date")(_is_rfc3339_date)
+    return cls(schema, format_checker=checker)
+
+
+def _is_rfc3339_date(value: object) -> bool:
+    if not isinstance(value, str):
+        return True  # formats apply to strings only
+    match = re.fullmatch(r"(\d{4})-(\d{2})-(\d{2})", value)
+    if match is None:
+        return False
+    year, month, day = (int(part) for part in match.groups())
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    days = [31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
+    return 1 <= month <= 12 and 1 <= day <= days[month - 1]
 
 
 def _schema(rng: random.Random) -> dict:

@@ -71,9 +71,8 @@ def test_a_burst_promotes_the_standby_then_quiet_drains_the_extra_worker():
         assert failures == [] and results == [("length", 300)] * BURST
         # Quiet for the delay: one serving worker drains and retires, and the desired count follows.
         daemon.wait_for(lambda: _desired(daemon) == 1, timeout=60 + QUIET_DELAY_S)
-        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=120)
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=120)  # retired
         assert {e["exit_code"] for e in daemon.log_entries("worker_retired")} == {0}
-        assert sorted(_states(daemon).values()) == ["serving", "standby"]
         decisions = daemon.log_entries("autoscale")
         assert [d["direction"] for d in decisions if d["direction"] != "hold"] == ["up", "down"], decisions
         # Promotion is a routing flip: the "up" decision is followed by the standby serving, with no worker
@@ -101,8 +100,8 @@ def test_with_a_declared_peak_quiet_demotes_the_extra_worker_to_a_warm_standby()
             thread.join(timeout=300)
         assert failures == [] and results == [("length", 200)] * BURST
         # Quiet for the delay: one worker flips back to standby; nothing retires and nothing loads.
-        daemon.wait_for(lambda: daemon.log_entries("worker_demoted"), timeout=60 + QUIET_DELAY_S)
-        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=30)
+        daemon.wait_for(lambda: sorted(_states(daemon).values()) == ["serving", "standby"], timeout=90 + QUIET_DELAY_S)
+        assert [e["worker"] for e in daemon.log_entries("worker_demoted")] != []
         assert daemon.log_entries("worker_retired") == []
         assert len(daemon.log_entries("worker_starting")) == 1  # the standby, at start; none since
         (decision,) = daemon.admin.GetLoad(pb.GetLoadRequest()).autoscale
@@ -157,9 +156,8 @@ def test_prefill_and_decode_pools_scale_apart_each_on_the_spare_groups_of_its_ro
         assert sorted(s.role for s in loads.schedulers) == ["decode", "prefill", "prefill"]
         assert {d.role for d in loads.autoscale} == {"decode", "prefill"}
         # Quiet: the extra prefill worker drains and retires; the decode worker serves on throughout.
-        daemon.wait_for(lambda: daemon.log_entries("worker_retired"), timeout=90 + QUIET_DELAY_S)
-        daemon.wait_for(lambda: len(_states(daemon)) == 2, timeout=60)
-        assert _states(daemon)[decode] == "serving"
+        daemon.wait_for(lambda: len(_states(daemon)) == 2, timeout=150 + QUIET_DELAY_S)  # the extra one retired
+        assert _states(daemon)[decode] == "serving" and daemon.log_entries("worker_retired")
         assert decode not in {e["worker"] for e in daemon.log_entries("worker_retired")}
         assert daemon.metric("tokend:desired_replicas", model_name=TINY_RANDOM_MODEL_NAME, role="prefill") == 1
 

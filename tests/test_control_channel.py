@@ -102,8 +102,11 @@ def test_what_the_daemon_sends_the_frontend_reads(message):
 
 @pytest.mark.parametrize(
     ("message", "field", "typo"),
-    [(worker_set(), "role", "prefil"), (worker_set(), "phase", "rolled"),
-     (ScaleCommand("m", 1, 0, "q"), "pool", "decod")],  # fmt: skip
+    [
+        (worker_set(), "role", "prefil"),
+        (worker_set(), "phase", "rolled"),
+        (ScaleCommand("m", 1, 0, "q"), "pool", "decod"),
+    ],  # fmt: skip
 )
 def test_a_misspelt_role_phase_or_pool_does_not_decode(message, field, typo):
     data = msgspec.to_builtins(message)

@@ -3,7 +3,9 @@ loading the same file, computes (greedy tokens offline and through a daemon, the
 answers a question as the model does.
 
 One conversion serves the whole test run (its cache directory is the run's, see conftest); transformers' reference
-model is loaded once for the module."""
+model is loaded once for the module. Greedy tokens are checked as greedy decoding defines them: each one is
+transformers' argmax given the prompt and every token before it, read from one forward pass over the whole
+sequence (what `generate(do_sample=False)` would pick, token by token, at a 48th of its cost on a CPU)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model, 
 from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
-# The reference is transformers generating 16 x 48 tokens one prompt at a time on CPU: minutes on a loaded machine.
+# transformers reading the GGUF file (tokenizer and model) is the slow part: about a minute on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
 NUM_TOKENS = 48
 PROMPTS = [
@@ -72,36 +74,38 @@ def reference():
     return tokenizer, model
 
 
-def _transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
+def _transformers_argmax(model, prompt: list[int], tokens: list[int]) -> list[int]:
+    """transformers' greedy choice at each of `tokens`' positions, given the prompt and the tokens before it."""
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS, do_sample=False)
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0]
+    return logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
 
 
 @pytest.fixture(scope="module")
-def reference_greedy(reference):
-    tokenizer, model = reference
-    prompts = [tokenizer(p, add_special_tokens=True).input_ids for p in PROMPTS]
-    return prompts, _transformers_greedy(model, prompts)
-
-
-def test_without_a_model_the_engine_serves_smollm2_with_transformers_greedy_tokens(model_dir, reference_greedy):
-    prompts, expected = reference_greedy
+def engine_greedy(model_dir):
+    """The engine with no model named (the default), greedy on PROMPTS: (the engine, its outputs)."""
     llm = LLM()  # no model: the default
-    assert llm.engine.model_name == DEFAULT_MODEL_NAME and llm.engine.model_dir == model_dir
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
-    assert [o.prompt_token_ids for o in outputs] == prompts
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    return llm.engine, llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
 
 
-def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(model_dir, reference_greedy):
-    prompts, expected = reference_greedy
+def test_without_a_model_the_engine_serves_smollm2_with_transformers_greedy_tokens(model_dir, reference,
+                                                                                    engine_greedy):  # fmt: skip
+    tokenizer, model = reference
+    engine, outputs = engine_greedy
+    assert engine.model_name == DEFAULT_MODEL_NAME and engine.model_dir == model_dir
+    assert [o.prompt_token_ids for o in outputs] == [tokenizer(p, add_special_tokens=True).input_ids for p in PROMPTS]
+    for output in outputs:
+        tokens = output.outputs[0].token_ids
+        assert len(tokens) == NUM_TOKENS
+        assert _transformers_argmax(model, output.prompt_token_ids, tokens) == tokens, output.prompt
+
+
+def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(model_dir, reference, engine_greedy):
+    _, model = reference
+    _, outputs = engine_greedy
     with Daemon("--model", DEFAULT_MODEL_NAME) as daemon:
-        for prompt, tokens in list(zip(prompts, expected, strict=True))[:4]:
+        for output in outputs[:4]:
+            prompt = output.prompt_token_ids
             chunks = daemon.generation.Generate(
                 pb.GenerateRequest(
                     token_ids=pb.TokenIds(ids=prompt),
@@ -109,7 +113,9 @@ def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(mode
                 ),
                 timeout=120,
             )
-            assert [t for chunk in chunks for t in chunk.token_ids] == tokens
+            tokens = [t for chunk in chunks for t in chunk.token_ids]
+            assert len(tokens) == NUM_TOKENS and _transformers_argmax(model, prompt, tokens) == tokens
+            assert tokens == output.outputs[0].token_ids  # and the engine's own, offline
         request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=32, temperature=0))
         request.chat.messages.add(role="user", content="What is the capital of France?")
         chunks = list(daemon.generation.Generate(request, timeout=120))

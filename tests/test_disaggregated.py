@@ -1,7 +1,12 @@
 """Prefill and decode pools: a daemon with one prefill and one decode worker (`--device cpu=prefill,cpu=decode`)
 hands each long prompt's KV pages from the first to the second, and its clients cannot tell: the same greedy
 tokens and counts as a daemon of `mixed` workers, over gRPC and the gateway; nothing leaks when requests are
-cancelled at any point; a lease nobody pulls expires. Each with the ZeroMQ transport, and NIXL's where it imports."""
+cancelled at any point; a lease nobody pulls expires. Each with the ZeroMQ transport, and NIXL's where it imports
+(but the gateway's test: the gateway speaks gRPC to the frontend, whatever moves the pages below it).
+
+Shown in process instead of on a daemon of their own: a P/D surge with a spare decode group only (the prefill
+pool in place; test_worker_pool.py, a decode worker serving at every tick), and a surge refused for want of a
+spare decode group (test_rollout_paths.py)."""
 
 from __future__ import annotations
 
@@ -59,18 +64,17 @@ def disaggregated(request):
 
 
 @pytest.mark.parametrize(("on_failure", "outcome"), [("recompute", "length"), ("fail", grpc.StatusCode.UNAVAILABLE)])
-def test_a_pull_that_fails_is_recomputed_or_fails_as_configured(on_failure, outcome):
+def test_a_pull_that_fails_is_recomputed_or_fails_as_configured(reference, on_failure, outcome):
     """Leases that expire at once: every pull is refused, and kv_load_failure says what the request gets."""
     flags = (*PD_FLAGS, "--kv-lease-seconds", "0.001", "--kv-load-failure", on_failure)
-    prompt = _prompts(1, 15, 400)[0]
-    with Daemon() as mixed:
-        expected = _generate(mixed, _request(prompt, 8))
+    index = LONG_GREEDY  # a prompt that is handed over, whose answer the mixed daemon gave
+    request = _request(PROMPTS[index], MAX_TOKENS, _ignores_eos(index))
     with Daemon(*flags) as daemon:
         if outcome == "length":
-            assert _generate(daemon, _request(prompt, 8)) == expected
+            assert _generate(daemon, request) == reference[0][index]
         else:
             with pytest.raises(grpc.RpcError) as failed:
-                _generate(daemon, _request(prompt, 8))
+                _generate(daemon, request)
             assert (
                 failed.value.code() == outcome and "could not be moved to the decode worker" in failed.value.details()
             )
@@ -88,6 +92,9 @@ MAX_TOKENS = 6
 
 def _ignores_eos(index: int) -> bool:
     return index % 2 == 0  # the others may stop at EOS, on either worker
+
+
+LONG_GREEDY = next(i for i, p in enumerate(PROMPTS) if _ignores_eos(i) and len(p) >= 100)  # runs all MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +130,7 @@ def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggre
     assert sorted(roles) == ["decode", "prefill"]
 
 
+@pytest.mark.parametrize("disaggregated", ["zmq"], indirect=True)  # see the module's docstring
 def test_the_gateway_serves_disaggregated_requests_as_the_mixed_daemon_does(disaggregated, reference):
     """The official openai client against the gateway, the same 200 prompts: the text, finish reason and usage
     equal the mixed daemon's over gRPC."""
@@ -223,57 +231,70 @@ def test_garbage_on_the_kv_socket_costs_nothing(disaggregated):
     disaggregated.wait_for(lambda: disaggregated.metric("tokend:kv_transfer_pages_total") > before, timeout=10)
 
 
-def test_a_lease_of_a_decode_worker_that_died_expires_and_frees_the_prefill_side():
+@pytest.fixture(scope="module")
+def faults():
+    """A P/D daemon whose workers the next two tests stop and kill, one after the other (each waits for both to
+    serve first); a liveness timeout they never reach, so that a stopped worker is only ever stopped."""
+    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "2", "--liveness-timeout", "30") as daemon:
+        yield daemon
+
+
+def _both_ready(daemon: Daemon) -> bool:
+    loads = _loads(daemon)
+    return sorted(loads) == ["decode", "prefill"] and all(load.ready for load in loads.values())
+
+
+def test_a_lease_of_a_decode_worker_that_died_expires_and_frees_the_prefill_side(faults):
     """The decode worker is stopped, so a request's handover waits on it with the prefill worker's lease held;
     then it is killed: the stream ends UNAVAILABLE, the lease expires after kv_lease_seconds and the prefill
     worker's pages return to their baseline; the daemon restarts the decode worker, which serves again."""
-    with Daemon(*PD_FLAGS, "--kv-lease-seconds", "2", "--liveness-timeout", "30") as daemon:
-        baseline = _loads(daemon)["prefill"].num_used_pages
-        [decode_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 1")
-        os.kill(decode_pid, signal.SIGSTOP)
-        call = daemon.generation.Generate(_request(_prompts(1, 13, 300)[0], max_tokens=8), timeout=120)
-        first = next(call)  # the prefill worker's first token comes out at once
-        assert len(first.token_ids) == 1
-        daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 1, timeout=10)
-        os.kill(decode_pid, signal.SIGKILL)
-        with pytest.raises(grpc.RpcError) as ended:
-            list(call)
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-        daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 0, timeout=15)
-        assert _loads(daemon)["prefill"].num_used_pages == baseline
-        assert daemon.log_entries("kv_leases_expired")
-        daemon.wait_for(
-            lambda: (loads := _loads(daemon)).get("decode") is not None and loads["decode"].ready, timeout=60
-        )
-        assert _generate(daemon, _request(_prompts(1, 14, 300)[0], 4))[2] == "length"
+    daemon = faults
+    daemon.wait_for(lambda: _both_ready(daemon), timeout=60)
+    baseline = _loads(daemon)["prefill"].num_used_pages
+    [decode_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 1")
+    os.kill(decode_pid, signal.SIGSTOP)
+    call = daemon.generation.Generate(_request(_prompts(1, 13, 300)[0], max_tokens=8), timeout=120)
+    first = next(call)  # the prefill worker's first token comes out at once
+    assert len(first.token_ids) == 1
+    daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 1, timeout=10)
+    os.kill(decode_pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    daemon.wait_for(lambda: _loads(daemon)["prefill"].kv_leases_held == 0, timeout=15)
+    assert _loads(daemon)["prefill"].num_used_pages == baseline
+    assert daemon.log_entries("kv_leases_expired")
+    daemon.wait_for(lambda: (loads := _loads(daemon)).get("decode") is not None and loads["decode"].ready, timeout=60)
+    assert _generate(daemon, _request(_prompts(1, 14, 300)[0], 4))[2] == "length"
 
 
-def test_a_killed_prefill_worker_ends_its_streams_unavailable_and_is_replaced():
+def test_a_killed_prefill_worker_ends_its_streams_unavailable_and_is_replaced(faults):
     """The prefill worker is stopped with a long prompt queued on it, then killed: that stream ends UNAVAILABLE,
     the decode worker holds nothing for it, and the restarted prefill worker serves the next long prompt."""
-    with Daemon(*PD_FLAGS, "--liveness-timeout", "30") as daemon:
-        [prefill_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 0")
-        os.kill(prefill_pid, signal.SIGSTOP)
-        call = daemon.generation.Generate(_request(_prompts(1, 16, 300)[0], max_tokens=8), timeout=120)
-        call.initial_metadata()  # the frontend sends its headers once the request went to its (prefill) worker
-        os.kill(prefill_pid, signal.SIGKILL)
-        with pytest.raises(grpc.RpcError) as ended:
-            list(call)
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert _loads(daemon)["decode"].num_used_pages == 0
-        daemon.wait_for(lambda: (loads := _loads(daemon)).get("prefill") is not None and loads["prefill"].ready,
-                        timeout=60)  # fmt: skip
-        tokens, _, reason, _ = _generate(daemon, _request(_prompts(1, 17, 300)[0], 4))
-        assert reason == "length" and len(tokens) == 4
-        assert daemon.log_entries("request_admitted")[-1]["decode_worker"].endswith("/1")  # it went the P/D way
+    daemon = faults
+    daemon.wait_for(lambda: _both_ready(daemon) and _loads(daemon)["decode"].num_used_pages == 0, timeout=60)
+    [prefill_pid] = daemon.child_pids("tokend: scheduler tokend-tiny-random 0")
+    os.kill(prefill_pid, signal.SIGSTOP)
+    call = daemon.generation.Generate(_request(_prompts(1, 16, 300)[0], max_tokens=8), timeout=120)
+    call.initial_metadata()  # the frontend sends its headers once the request went to its (prefill) worker
+    os.kill(prefill_pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _loads(daemon)["decode"].num_used_pages == 0
+    daemon.wait_for(lambda: (loads := _loads(daemon)).get("prefill") is not None and loads["prefill"].ready,
+                    timeout=60)  # fmt: skip
+    tokens, _, reason, _ = _generate(daemon, _request(_prompts(1, 17, 300)[0], 4))
+    assert reason == "length" and len(tokens) == 4
+    assert daemon.log_entries("request_admitted")[-1]["decode_worker"].endswith("/1")  # it went the P/D way
 
 
-@pytest.mark.parametrize("spares", ["cpu=prefill,cpu=decode", "cpu=decode"])
-def test_a_rollout_keeps_both_pools_and_a_decode_worker_serving_throughout(tmp_path, spares):
-    """A surge rollout of a P/D daemon: each pool's new worker starts on a spare group of its own role (without a
-    spare prefill group, the prefill pool goes in place: its prompts are computed by the decode worker meanwhile),
-    some decode worker serves at every moment, and afterwards the new prefill worker hands prompts to the new decode
-    worker. Starting the routed pool's worker on a prefill group would leave no decode worker once the old drain."""
+def test_a_rollout_keeps_both_pools_and_a_decode_worker_serving_throughout(tmp_path):
+    """A surge rollout of a P/D daemon with a spare group of each role: each pool's new worker starts on a spare
+    group of its own role, some decode worker serves at every moment, and afterwards the new prefill worker hands
+    prompts to the new decode worker. Starting the routed pool's worker on a prefill group would leave no decode
+    worker once the old drain. (Without a spare prefill group the prefill pool goes in place: test_worker_pool.py.)"""
+    spares = "cpu=prefill,cpu=decode"
     checkpoints = {name: write_checkpoint(tmp_path / name, LLAMA_GQA, seed=seed) for name, seed in (("A", 1), ("B", 2))}
     flags = ("--model", str(checkpoints["A"]), "--served-model-name", "m", *PD_FLAGS, "--spare-devices", spares)
     with Daemon(*flags) as daemon:
@@ -302,17 +323,3 @@ def test_a_rollout_keeps_both_pools_and_a_decode_worker_serving_throughout(tmp_p
         assert reason == "length" and len(tokens) == 4
         last = daemon.log_entries("request_admitted")[-1]
         assert (last["worker"], last["decode_worker"]) == (roles["prefill"][0].worker_id, roles["decode"][0].worker_id)
-
-
-def test_a_surge_needs_a_spare_group_for_the_decode_pool(tmp_path):
-    """A spare prefill group alone cannot take the routed pool's new worker: a surge is refused (naming the field),
-    and a rollout that names no strategy goes in place."""
-    checkpoints = {name: write_checkpoint(tmp_path / name, LLAMA_GQA, seed=seed) for name, seed in (("A", 1), ("B", 2))}
-    flags = ("--model", str(checkpoints["A"]), "--served-model-name", "m", *PD_FLAGS, "--spare-devices", "cpu=prefill")
-    with Daemon(*flags) as daemon:
-        with pytest.raises(grpc.RpcError) as refused:
-            daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(checkpoints["B"]), strategy="surge"))
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert refused.value.details().startswith("strategy: surge needs a free group")
-        reply = daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(checkpoints["B"])))
-        assert (reply.rollout.phase, reply.rollout.strategy) == ("rolling", "in-place")

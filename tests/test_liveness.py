@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from daemon_harness import Daemon
+from exposition import scrape, total
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
@@ -79,6 +80,10 @@ def test_a_stopped_scheduler_stops_serving_its_model_within_seconds_and_serves_a
 
 
 def test_a_crashed_frontends_request_is_stopped_on_its_scheduler_and_reported_to_the_next_frontend():
+    """A killed frontend is restarted and serves again, gRPC and the API port's /metrics (the engine's metrics
+    again, the new frontend's counts); the request it was streaming is stopped on its scheduler and settled by its
+    successor. (One daemon for what test_serve_lifecycle.py's killed-frontend test and test_metrics_api_port.py's
+    restarted-frontend test each showed on a daemon of their own.)"""
     with Daemon() as daemon:
         (frontend,) = daemon.child_pids("tokend: frontend")
         request = pb.GenerateRequest(prompt="orphan", sampling=LONG, request_id="orphan-1")
@@ -86,9 +91,17 @@ def test_a_crashed_frontends_request_is_stopped_on_its_scheduler_and_reported_to
         seen = sum(len(next(call).token_ids) for _ in range(3))
         os.kill(frontend, signal.SIGKILL)
         assert _failure(call) is not None
+        daemon.wait_for(lambda: daemon.child_pids("tokend: frontend") not in ([], [frontend]), timeout=60)
         settled = daemon.wait_for(lambda: _settled_orphan(daemon, "orphan-1"), timeout=60)
         daemon.wait_for(lambda: daemon.health_status() == SERVING, timeout=60)
         assert daemon.generate("after the crash", max_tokens=3, ignore_eos=True)[-1].finish_reason == "length"
+
+        def engine_metrics() -> str | None:
+            text = scrape(f"{daemon.http_url}/metrics")
+            return text if total(text, "tokend:engine_metrics_up") == 1 else None
+
+        text = daemon.wait_for(engine_metrics, timeout=60)
+        assert total(text, "tokend:e2e_request_latency_seconds_count") == 1  # the new frontend's count
         # How it ended is told by the log alone (both lines were written before the ledger was settled).
         (aborted,) = daemon.log_entries("orphans_aborted")
         (orphan,) = daemon.log_entries("orphan_finished")

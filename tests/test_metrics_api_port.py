@@ -183,19 +183,3 @@ def test_the_dashboard_only_queries_metrics_the_daemon_exports(daemon, finished)
     dashboard = json.loads((ROOT / "deploy/grafana/tokend-dashboard.json").read_text())
     queried = set().union(*map(metric_names, dashboard_queries(dashboard)))
     assert len(queried) >= 10 and queried <= exported, queried - exported
-
-
-def test_a_restarted_frontend_serves_the_api_port_its_metrics_again():
-    with Daemon() as daemon:
-        (frontend,) = daemon.child_pids("tokend: frontend")
-        os.kill(frontend, signal.SIGKILL)
-        daemon.wait_for(lambda: daemon.child_pids("tokend: frontend") not in ([], [frontend]), timeout=60)
-        daemon.wait_serving(timeout=120)
-        daemon.generate("after the restart", max_tokens=2)
-
-        def engine_metrics() -> str | None:
-            text = scrape(f"{daemon.http_url}/metrics")
-            return text if total(text, "tokend:engine_metrics_up") == 1 else None
-
-        text = daemon.wait_for(engine_metrics, timeout=60)
-        assert total(text, "tokend:e2e_request_latency_seconds_count") == 1  # the new frontend's count

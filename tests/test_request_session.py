@@ -12,7 +12,7 @@ import pytest
 from link_fixtures import prefill_kv_address
 from scheduler_fakes import fake_frontend
 
-from common.lanes import Role
+from common.lanes import Role, WorkerState
 from frontend.errors import RequestError
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import KVTransferParams
@@ -189,6 +189,36 @@ def test_a_retired_workers_stream_migrates_and_goes_on_elsewhere():
         assert client.text == "abcde" and client.finishes == ["length"] and client.usage == (8, 5, 0)
         assert client.chunks[-1].migrated and [h.kind.value for h in session.hops] == ["whole", "migrated"]
         assert len(frontend.ledger.commits) == 1
+
+    scenario()
+
+
+def test_a_stream_its_retired_worker_aborts_at_the_drain_timeout_ends_abort_billed_to_those_weights():
+    """on_drain_timeout abort (test_rollout.py's daemon case [abort] moved here; the scheduler's side is in
+    test_scheduler_drain.py): the retired worker's final ABORT delta, not marked migrate, ends the client's stream
+    with finish_reason abort, on no other worker; the ledger bills exactly the tokens the client got, cancelled,
+    and names the weights that made them."""
+
+    @run
+    async def scenario(frontend):
+        for worker in frontend.link.schedulers:
+            worker.ready = msgspec.structs.replace(worker.ready, generation=f"weights-{worker.address.group}")
+        session = frontend.session(max_tokens=5)
+        await session.admit()
+        first = next(s for s in frontend.link.schedulers if frontend.schedulers.added(s))
+        other = next(s for s in frontend.link.schedulers if s is not first)
+        client = Client(session)
+        frontend.schedulers.emit(first, "rec-1", [0, 1])
+        first.worker_state = WorkerState.DRAINING  # a rollout retires it
+        frontend.schedulers.emit(first, "rec-1", [], FinishReason.ABORT)  # its drain timed out: abort
+        await client.task
+        await settled(frontend)
+        assert client.text == "ab" and client.finishes == ["abort"] and client.usage == (8, 2, 0)
+        assert not client.chunks[-1].migrated and not frontend.schedulers.added(other)
+        assert {c.generation for c in client.chunks} == {first.generation}
+        (row,) = frontend.ledger.commits
+        assert (row.status, row.prompt_tokens, row.completion_tokens) == ("cancelled", 8, 2)
+        assert row.generation == first.generation and [h.kind.value for h in session.hops] == ["whole"]
 
     scenario()
 

@@ -69,42 +69,53 @@ def test_bad_commands_are_refused_naming_the_field(checkpoints):
         assert status.phase == "none" and status.epoch == 0  # nothing refused changed anything
 
 
-def test_canary_splits_new_requests_until_lifted_then_rollback_returns_to_the_old_weights(checkpoints):
+@pytest.fixture(scope="module")
+def with_spare(checkpoints):
+    """A daemon on A with a spare group, shared by the next two tests: each starts and ends on A, epoch 0 (the
+    first rolls back to it, the second's rollout fails back to it)."""
+    a, _, _ = checkpoints
+    with Daemon("--model", str(a), "--served-model-name", "m", "--spare-devices", "cpu") as daemon:
+        yield daemon
+
+
+def test_canary_splits_new_requests_until_lifted_then_rollback_returns_to_the_old_weights(checkpoints, with_spare):
     a, b, _ = checkpoints
-    with Daemon("--model", str(a), "--served-model-name", "m", "--spare-devices", "cpu") as daemon:
-        generation_a = _generation(daemon)
-        daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(b), canary_percent=50))
-        status = _settle(daemon)
-        assert (status.phase, status.canary_percent) == ("canary", 50)
-        assert sorted(w.state for w in status.workers) == ["serving", "serving"]  # the old weights still serve
-        seen = {_generation(daemon) for _ in range(24)}
-        generation_b = (seen - {generation_a}).pop()
-        assert seen == {generation_a, generation_b}  # both sides of the split answer (1 in 2**23 to fail by luck)
+    daemon = with_spare
+    generation_a = _generation(daemon)
+    daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(b), canary_percent=50))
+    status = _settle(daemon)
+    assert (status.phase, status.canary_percent) == ("canary", 50)
+    assert sorted(w.state for w in status.workers) == ["serving", "serving"]  # the old weights still serve
+    seen = {_generation(daemon) for _ in range(24)}
+    generation_b = (seen - {generation_a}).pop()
+    assert seen == {generation_a, generation_b}  # both sides of the split answer (1 in 2**23 to fail by luck)
 
-        daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(b)))  # the same weights, no canary: finish
-        status = _settle(daemon)
-        assert status.phase == "done"
-        assert {_generation(daemon) for _ in range(6)} == {generation_b}
-        assert [e["worker"] for e in daemon.log_entries("worker_retired")] == ["m/0"]
+    daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(b)))  # the same weights, no canary: finish
+    status = _settle(daemon)
+    assert status.phase == "done"
+    assert {_generation(daemon) for _ in range(6)} == {generation_b}
+    assert [e["worker"] for e in daemon.log_entries("worker_retired")] == ["m/0"]
 
-        # The command line, as an operator types it: back to A, waiting until it is done.
-        # No key given: the CLI sends the local admin token from the daemon's state directory.
-        command = [sys.executable, "-m", "daemon.cli", "rollout", "--address", daemon.address, "--model", "m",
-                   "--rollback", "--state-dir", daemon.state_dir]  # fmt: skip
-        finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert finished.returncode == 0, finished.stderr
-        assert "m: done (epoch 0" in finished.stdout and "rollback_started" in finished.stdout
-        assert {_generation(daemon) for _ in range(6)} == {generation_a}
+    # The command line, as an operator types it: back to A, waiting until it is done.
+    # No key given: the CLI sends the local admin token from the daemon's state directory.
+    command = [sys.executable, "-m", "daemon.cli", "rollout", "--address", daemon.address, "--model", "m",
+               "--rollback", "--state-dir", daemon.state_dir]  # fmt: skip
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert "m: done (epoch 0" in finished.stdout and "rollback_started" in finished.stdout
+    assert {_generation(daemon) for _ in range(6)} == {generation_a}
 
 
-def test_weights_that_cannot_serve_fail_the_rollout_and_the_old_ones_keep_serving(checkpoints):
+def test_weights_that_cannot_serve_fail_the_rollout_and_the_old_ones_keep_serving(checkpoints, with_spare):
     a, _, broken = checkpoints
-    with Daemon("--model", str(a), "--served-model-name", "m", "--spare-devices", "cpu") as daemon:
-        generation_a = _generation(daemon)
-        daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(broken)))
-        status = _settle(daemon)
-        assert status.phase == "failed" and "exited with 78" in status.error
-        assert (status.epoch, status.path) == (0, str(a))  # back on the weights it came from
-        assert _generation(daemon) == generation_a
-        assert daemon.health_status() == health_pb2.HealthCheckResponse.SERVING
-        assert daemon.process.poll() is None  # the daemon itself never gave up
+    daemon = with_spare
+    before = daemon.admin.GetRollout(pb.GetRolloutRequest(model="m")).rollouts[0]
+    assert before.phase in ("none", "done") and before.epoch == 0  # on A, whatever ran on it before
+    generation_a = _generation(daemon)
+    daemon.admin.Rollout(pb.RolloutRequest(model="m", path=str(broken)))
+    status = _settle(daemon)
+    assert status.phase == "failed" and "exited with 78" in status.error
+    assert (status.epoch, status.path) == (0, str(a))  # back on the weights it came from
+    assert _generation(daemon) == generation_a
+    assert daemon.health_status() == health_pb2.HealthCheckResponse.SERVING
+    assert daemon.process.poll() is None  # the daemon itself never gave up

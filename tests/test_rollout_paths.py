@@ -35,8 +35,8 @@ def models(tmp_path):
     return tmp_path / "models", a, b, outside
 
 
-def _pool(tmp_path, model, **options) -> WorkerPool:
-    config = ServeConfig(model=(str(model),), served_model_name="m", device="cpu,cpu", state_dir=str(tmp_path),
+def _pool(tmp_path, model, device: str = "cpu,cpu", **options) -> WorkerPool:
+    config = ServeConfig(model=(str(model),), served_model_name="m", device=device, state_dir=str(tmp_path),
                          **options)  # fmt: skip
     pool = WorkerPool(config, tmp_path, FakeLog(), FakeChildren(), FakeClock())
     pool.start_all()
@@ -86,3 +86,17 @@ def test_a_missing_path_inside_the_roots_is_refused_naming_path_and_a_built_in_p
 def test_model_roots_must_be_absolute():
     with pytest.raises(ValueError, match="^model_roots:"):
         ServeConfig(model_roots=("models",))
+
+
+def test_a_p_d_surge_needs_a_spare_group_for_the_decode_pool_and_no_strategy_goes_in_place(tmp_path, models):
+    """A spare prefill group alone cannot take the routed pool's new worker: a surge is refused, naming the field,
+    and a rollout that names no strategy goes in place. (Moved from test_disaggregated.py's daemon test; the
+    refusal's way to the client as FAILED_PRECONDITION is test_rollout_commands.py's, end to end.)"""
+    _, a, b, _ = models
+    pool = _pool(tmp_path, a, device="cpu=prefill,cpu=decode", spare_devices="cpu=prefill",
+                 disagg_min_prompt_tokens=16)  # fmt: skip
+    refused = handle_rollout(pool, RolloutCommand("c1", "m", str(b), strategy="surge"))
+    assert refused.code == "FAILED_PRECONDITION" and refused.error.startswith("strategy: surge needs a free group")
+    assert pool.rollouts["m"].phase is RolloutPhase.NONE
+    taken = handle_rollout(pool, RolloutCommand("c2", "m", str(b)))
+    assert taken.error == "" and (taken.rollout.phase, taken.rollout.strategy) == ("rolling", "in-place")

@@ -38,7 +38,6 @@ SERVING, STARTING, DRAINING, FAILED = (WorkerState.SERVING, WorkerState.STARTING
 OLD, NEW = 0, 1  # epochs: the configuration's weights, and the rollout's
 
 
-
 def Target(epoch: int, strategy: RolloutStrategy, count: int, canary_percent: int = 0) -> PoolTarget:  # noqa: N802
     """A rollout's target for a pool of `count` workers (the counts a scaling target would have too)."""
     return PoolTarget(epoch, count, strategy=strategy, canary_percent=canary_percent)

@@ -139,8 +139,11 @@ def test_a_bad_tenants_file_is_named(tmp_path, content, message):
 
 @pytest.mark.parametrize(
     ("key", "text", "member"),
-    [("kv_transfer_transport", "zmq", KVTransport.ZMQ), ("kv_load_failure", "fail", KVLoadFailure.FAIL),
-     ("on_drain_timeout", "migrate", DrainAction.MIGRATE)],  # fmt: skip
+    [
+        ("kv_transfer_transport", "zmq", KVTransport.ZMQ),
+        ("kv_load_failure", "fail", KVLoadFailure.FAIL),
+        ("on_drain_timeout", "migrate", DrainAction.MIGRATE),
+    ],  # fmt: skip
 )
 def test_an_enum_option_from_a_flag_or_the_file_is_its_member_and_a_bad_one_is_named(tmp_path, key, text, member):
     flag = "--" + key.replace("_", "-")

@@ -44,15 +44,6 @@ def test_a_killed_scheduler_fails_its_streams_fast_and_comes_back():
         assert daemon.metric("tokend:scheduler_up") == 1
 
 
-def test_a_killed_frontend_is_restarted():
-    with Daemon() as daemon:
-        (old_pid,) = daemon.child_pids("tokend: frontend")
-        os.kill(old_pid, signal.SIGKILL)
-        daemon.wait_for(lambda: daemon.child_pids("tokend: frontend") not in ([], [old_pid]), timeout=10)
-        daemon.wait_for(lambda: daemon.health_status() == SERVING, timeout=60)
-        assert daemon.generate("after the frontend crash", max_tokens=5, ignore_eos=True)[-1].finish_reason == "length"
-
-
 def test_sigterm_under_load_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(tmp_path):
     config = tmp_path / "tokend.toml"
     config.write_text("drain_timeout = 120\nmax_num_seqs = 8\n")

@@ -297,6 +297,35 @@ def test_a_p_d_rollout_keeps_each_pool_on_its_role(harness):
     assert sorted((i.epoch, i.role) for i in h.pool.infos()) == [(1, Role.DECODE), (1, Role.PREFILL)]
 
 
+@pytest.mark.parametrize("spare", ["cpu=prefill,cpu=decode", "cpu=decode"])
+def test_a_p_d_surge_keeps_a_decode_worker_serving_at_every_tick(harness, spare):
+    """Each pool's new worker starts on a spare group of its own role (without a spare prefill group, the prefill
+    pool goes in place); some decode worker serves after every tick, to the end: one prefill and one decode worker,
+    both on the new weights. (test_disaggregated.py's daemon test keeps the first case end to end; the second
+    moved here.)"""
+    h = harness(device="cpu=prefill,cpu=decode", spare=spare)
+    h.settle()
+    h.pool.begin_rollout(h.model, "/weights/v2", RolloutStrategy.SURGE, 0)
+
+    def decode_serves() -> None:
+        infos = h.pool.infos()
+        assert any(i.role == Role.DECODE and i.state == SERVING for i in infos), [(i.worker_id, i.role, i.state)
+                                                                                  for i in infos]  # fmt: skip
+
+    for _ in range(40):
+        for step in (h.tick, h.warm, h.retire_drained):
+            step()
+            decode_serves()
+    assert h.status().phase == RolloutPhase.DONE
+    assert sorted((i.epoch, i.role, i.state) for i in h.pool.infos()) == [(1, Role.DECODE, SERVING),
+                                                                          (1, Role.PREFILL, SERVING)]  # fmt: skip
+    new_groups = {i.role: i.group for i in h.pool.infos()}
+    spares = dict(reversed(part.split("=")) for part in spare.split(","))  # role -> "cpu"
+    assert new_groups[Role.DECODE].startswith("spare") and new_groups[Role.PREFILL].startswith("spare") == (
+        "prefill" in spares
+    )
+
+
 def test_a_draining_worker_that_overstays_the_drain_timeout_is_stopped(harness):
     h = harness(spare="cpu")
     h.settle()

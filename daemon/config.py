@@ -26,7 +26,7 @@ from daemon.config_checks import check_no_roles_under_tp, rollout_roots
 from daemon.gpu_placement import ModelShare, Placement, place, visible_gpus
 from frontend.spec import AdmissionSpec, AutoscaleSpec, TenantSpec
 from gpu_runtime.default_model import DEFAULT_MODEL_NAME, MODEL_REFERENCE, is_model_reference, served_name
-from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.engine_config import TOOL_CALL_PARSERS, EngineConfig
 
 _ENUM_FIELDS = {"on_drain_timeout": DrainAction, "kv_transfer_transport": KVTransport,
                 "kv_load_failure": KVLoadFailure}  # fmt: skip
@@ -53,6 +53,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Its share of a GPU it shares with other schedulers; unset: the engine options' own.
     gpu_memory_utilization: float | None = None
     kv_cache_bytes: int | None = None
+    tool_call_parser: str | None = None  # how `auto` tool calls are read from its text; unset: the engine options'
 
 
 class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -281,7 +282,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def engine_of(self, model: ModelSpec) -> EngineConfig:
         """The engine options of a model's schedulers: the shared ones, with its identity and its own share of a
         GPU (device: each scheduler's own)."""
-        share = {"gpu_memory_utilization": model.gpu_memory_utilization, "kv_cache_bytes": model.kv_cache_bytes}
+        share = {"gpu_memory_utilization": model.gpu_memory_utilization, "kv_cache_bytes": model.kv_cache_bytes,
+                 "tool_call_parser": model.tool_call_parser}  # fmt: skip
         own = {key: value for key, value in share.items() if value is not None}
         return msgspec.structs.replace(self.engine, model=model.path, served_model_name=model.name, **own)
 
@@ -440,6 +442,9 @@ def _check_models(models: tuple[ModelSpec, ...], has_model_paths: bool) -> None:
         budget = model.kv_cache_bytes
         _check(f"{key}.kv_cache_bytes", budget is None or (_is_int(budget) and budget > 0), "a positive integer",
                budget)  # fmt: skip
+        parser = model.tool_call_parser
+        _check(f"{key}.tool_call_parser", parser is None or parser in TOOL_CALL_PARSERS, "|".join(TOOL_CALL_PARSERS),
+               parser)  # fmt: skip
 
 
 def _check_tenants(tenants: tuple[TenantSpec, ...]) -> None:

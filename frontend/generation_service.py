@@ -150,10 +150,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             await self.grammars.check(StructuredOutput.json_schema(tool.parameters), model, tenant,
                                       field=f"chat.tools_json[{index}].function.parameters")  # fmt: skip
         parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
-        template = self._models.chat_template(model)
-        tool_plan = plan_tools(
-            tools, chat.tool_choice, parallel, reader_for_template(template.text if template else "")
-        )
+        reader = model.tool_call_parser
+        if reader == "auto":
+            template = self._models.chat_template(model)
+            reader = reader_for_template(template.text if template else "")
+        tool_plan = plan_tools(tools, chat.tool_choice, parallel, reader)
         if tool_plan.constraint is not None:
             if prepared.sampling.structured_output is not None:
                 raise invalid("chat.tool_choice: a required or named call cannot have a structured_output besides")

@@ -16,6 +16,8 @@ from common.checks import is_int, is_number, require
 from gpu_runtime.attention.catalog import ATTENTION_BACKEND_CHOICES, ATTENTION_BACKEND_HELP
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The tool-call formats the frontend reads (frontend/tool_calls/choice.py READERS), and auto: the template's.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES  # the backends' one table: gpu_runtime/attention/catalog.py
 
 
@@ -116,6 +118,13 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
             "ones, as vLLM's flag"
         ),
     ] = None
+    tool_call_parser: Annotated[
+        Literal["auto", "hermes", "llama3_json", "mistral"],
+        _doc(
+            "how tool_choice auto reads the model's calls out of its text, as vLLM's flag: auto (the format the chat "
+            "template writes), hermes, llama3_json or mistral (docs/tool-calls.md)"
+        ),
+    ] = "auto"
     # Check the page pool's invariants whenever the engine goes idle (TOKEND_DEBUG=1 turns it on).
     debug_checks: bool = msgspec.field(default_factory=lambda: os.environ.get("TOKEND_DEBUG") == "1")
 
@@ -142,3 +151,5 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         require(isinstance(generation, str) and bool(generation), "generation_config", "auto|vllm|DIR", generation)
         template = self.chat_template
         require(template is None or (isinstance(template, str) and bool(template)), "chat_template", "a file", template)
+        parser = self.tool_call_parser
+        require(parser in TOOL_CALL_PARSERS, "tool_call_parser", "|".join(TOOL_CALL_PARSERS), parser)

@@ -36,7 +36,7 @@ HEADER = """\
 # What each table field is for; the fields themselves, and the defaults shown, come from ModelSpec and TenantSpec.
 MODEL_EXAMPLE = {"name": "llama-8b", "path": "/models/Meta-Llama-3-8B-Instruct", "aliases": ["default"],
                  "groups": ["cuda:0", "cuda:1"], "gpu_memory_utilization": 0.45,
-                 "kv_cache_bytes": 8589934592}  # fmt: skip
+                 "kv_cache_bytes": 8589934592, "tool_call_parser": "llama3_json"}  # fmt: skip
 MODEL_NOTES = {
     "name": "what clients put in `model`",
     "path": "a directory, a .gguf file or a built-in name; unset: the default model",
@@ -44,6 +44,7 @@ MODEL_NOTES = {
     "groups": "devices, one scheduler each; empty: those of `device`",
     "gpu_memory_utilization": "its share of each GPU it shares with other schedulers; unset: the engine's",
     "kv_cache_bytes": "its KV-cache size in bytes; unset: the engine's",
+    "tool_call_parser": "how tool_choice auto reads its calls: hermes | llama3_json | mistral; unset: the engine's",
 }
 TENANT_EXAMPLE = {"name": "search", "api_key_sha256": "<64 hex digits>"}
 TENANT_NOTES = {

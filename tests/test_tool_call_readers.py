@@ -168,3 +168,18 @@ def test_the_reader_follows_the_chat_templates_format():
     assert reader_for_template("{{- '<|python_tag|>' }}") == "llama3_json"
     assert reader_for_template("[AVAILABLE_TOOLS] ... [TOOL_CALLS]") == "mistral"
     assert reader_for_template("<|im_start|>{{ message['content'] }}") == "hermes"
+
+
+def test_the_tool_call_parser_option_is_checked_per_engine_and_per_model_and_names_the_reader():
+    from daemon.config import ModelSpec, ServeConfig
+    from gpu_runtime.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^tool_call_parser: must be auto\|hermes\|llama3_json\|mistral"):
+        EngineConfig(tool_call_parser="xml")
+    with pytest.raises(ValueError, match=r"^models\[0\]\.tool_call_parser: must be"):
+        ServeConfig(models=(ModelSpec("m", tool_call_parser="xml"),))
+    config = ServeConfig(models=(ModelSpec("m", tool_call_parser="mistral"), ModelSpec("n", path="tokend-tiny-random")))
+    assert [config.engine_of(m).tool_call_parser for m in config.served_models()] == ["mistral", "auto"]
+    tools = read_tools(json.dumps([{"type": "function", "function": {"name": "f"}}]))
+    assert isinstance(plan(tools, "auto", True, "mistral").new_reader(), MistralReader)
+    assert isinstance(plan(tools, "auto", True, "llama3_json").new_reader(), Llama3JsonReader)

@@ -21,12 +21,14 @@ from frontend.tool_calls.calls import CallReader
 from frontend.tool_calls.forced import CallListReader, NamedCallReader
 from frontend.tool_calls.hermes import HermesReader
 from frontend.tool_calls.leading_json import Llama3JsonReader, MistralReader
+from gpu_runtime.engine_config import TOOL_CALL_PARSERS
 from gpu_runtime.ipc.structured_output import StructuredOutput
 
 _ANY_OBJECT = {"type": "object"}
 # `auto`'s reader by the format the model's chat template writes calls in (its source names the markers);
 # Hermes' <tool_call> when it names none (ChatML models, and templates that ignore tools).
 READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "mistral": MistralReader}
+assert set(READERS) == set(TOOL_CALL_PARSERS) - {"auto"}, "the engine's --tool-call-parser choices are these readers"
 _TEMPLATE_MARKERS = (("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"), ("<tool_call>", "hermes"))
 
 

@@ -161,6 +161,8 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     kv_address: str = ""
     # The ids that end generation (the frontend compiles structured outputs with them, as the engine does).
     eos_token_ids: tuple[int, ...] = ()
+    # --tool-call-parser: how the frontend reads `auto` tool calls from this model's text (auto: its template's).
+    tool_call_parser: str = "auto"
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):

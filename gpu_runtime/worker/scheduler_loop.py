@@ -290,6 +290,7 @@ class SchedulerLoop:
             role=self.spec.role,
             kv_address=kv_address,
             eos_token_ids=tuple(engine.model_config.eos_token_ids),
+            tool_call_parser=engine.config.tool_call_parser,
         )
 
     def _report_when_due(self, force: bool = False) -> None:

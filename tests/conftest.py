@@ -129,3 +129,13 @@ def reference_case(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA_GQA)
+
+
+@pytest.fixture(scope="session")
+def default_model_daemon():
+    """One daemon on the default model (SmolLM2-135M-Instruct) for the files that serve it through the openai client
+    (structured outputs, tool calls): a start of it costs ~15 s, paid once."""
+    from daemon_harness import Daemon
+
+    with Daemon("--model", "SmolLM2-135M-Instruct", "--max-num-seqs", "32") as running:
+        yield running

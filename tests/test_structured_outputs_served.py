@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from daemon_harness import Daemon
 from harness.schema_corpus import schemas, validator
 
 pytestmark = pytest.mark.daemon
@@ -21,9 +20,8 @@ MESSAGES = [{"role": "user", "content": "Reply with a short JSON object."}]
 
 
 @pytest.fixture(scope="module")
-def daemon():
-    with Daemon("--model", "SmolLM2-135M-Instruct", "--max-num-seqs", "32") as running:
-        yield running
+def daemon(default_model_daemon):
+    return default_model_daemon
 
 
 @pytest.fixture(scope="module")

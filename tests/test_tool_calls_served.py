@@ -1,6 +1,7 @@
 """Tool calls served on the default model through the official `openai` client: `required` and a named function
-give calls whose arguments validate against the function's parameters (enforced), streamed calls join to the
-whole body's, a tool loop (call, result, answer) completes, and bad tool requests are 400s naming the field."""
+give calls whose arguments validate against the function's parameters (enforced), `auto` returns the call the model
+makes on its own, streamed calls join to the whole body's, a tool loop (call, result, answer) completes, and bad
+tool requests are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -96,6 +97,31 @@ def test_streamed_call_deltas_join_to_the_whole_calls(client):
     assert len(pieces) > 1  # the arguments streamed as they were generated
     assert "".join(pieces) == whole.choices[0].message.tool_calls[0].function.arguments
     assert len(ids) == 1 and finish == "tool_calls"
+
+
+# A conversation in which the model called get_weather before: SmolLM2's template does not render tools, so the
+# call it makes on its own under `auto` is the one it learnt in context, written in Hermes' format.
+EARLIER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+SHORT_ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALLED_BEFORE = [{"role": "system", "content": "You are a helpful assistant."}, *SHORT_ASK,
+                 {"role": "assistant", "content": EARLIER_CALL}, *SHORT_ASK]  # fmt: skip
+
+
+def test_auto_returns_the_call_the_model_makes_with_finish_reason_tool_calls(client):
+    ask = {"model": "", "messages": CALLED_BEFORE, "tools": TOOLS, "tool_choice": "auto", "temperature": 0,
+           "max_tokens": 48}  # fmt: skip
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert not whole.message.content  # no tag characters leak into the text
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        assert not chunk.choices[0].delta.content, "the call's text is never content"
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            streamed += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert streamed == call.function.arguments and finish == "tool_calls"
 
 
 def test_a_tool_loop_call_result_answer_completes(client):

@@ -1,6 +1,6 @@
 """The attention backend interface: a per-step plan (once per step, before the forward, the masks built there by
-the backends that use them), then per-layer forwards with the layer's options, which the torch reference honours
-(a sliding window, soft-capped logits, a scale) against attention computed by hand."""
+the backends that use them), then per-layer forwards with the layer's options, which the torch reference and the
+batched backend honour (a sliding window, soft-capped logits, a scale) against attention computed by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_runtime import EngineConfig, LLMEngine, SamplingParams
-from gpu_runtime.attention.backend import LayerAttentionOptions, make_attention_backend
+from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions, make_attention_backend
 from gpu_runtime.attention.metadata import PlanRow
 from gpu_runtime.step_inputs import StepPlan, inputs_of_plan
 
@@ -62,9 +62,11 @@ def _by_hand(q, k_pages, v_pages, row: PlanRow, options: LayerAttentionOptions) 
     ],
     ids=["plain", "window", "softcap-scale", "all"],
 )
-def test_the_torch_reference_honours_a_layers_options(options):
+@pytest.mark.parametrize("name", ["torch", "batched"])  # cpu_paged's kernel takes a build: test_model_families.py
+def test_the_backends_honour_a_layers_options(options, name):
     q, k, v, k_pages, v_pages, meta, rows = _step()
-    backend = make_attention_backend("torch", CPU)
+    backend = make_attention_backend(name, CPU)
+    backend.check_options(options)
     backend.plan(meta)
     out = backend.forward(q, k, v, k_pages, v_pages, meta, options)  # writes the new K/V into the pages first
     for row, rows_of in rows:
@@ -97,15 +99,28 @@ def test_a_forward_without_its_steps_plan_is_refused(name):
         backend.forward(q, k, v, k_pages, v_pages, meta, LayerAttentionOptions.default(DIM))
 
 
+class PlainOnly(AttentionBackend):
+    """A backend that runs plain attention only: it keeps the interface's check_options."""
+
+    name = "plain_only"
+
+    def plan(self, meta):
+        pass
+
+    def forward(self, q, k, v, k_pages, v_pages, meta, options):
+        raise NotImplementedError
+
+
 @pytest.mark.fast
 def test_options_a_backend_cannot_run_are_refused_as_the_model_is_built():
-    backend = make_attention_backend("batched", CPU)
+    backend = PlainOnly()
     backend.check_options(LayerAttentionOptions.default(DIM))
-    with pytest.raises(ValueError, match="batched has no sliding-window attention"):
+    with pytest.raises(ValueError, match="plain_only has no sliding-window attention"):
         backend.check_options(LayerAttentionOptions(scale=0.1, sliding_window=8))
-    with pytest.raises(ValueError, match="batched has no logit soft-capping"):
+    with pytest.raises(ValueError, match="plain_only has no logit soft-capping"):
         backend.check_options(LayerAttentionOptions(scale=0.1, logit_softcap=30.0))
-    make_attention_backend("torch", CPU).check_options(LayerAttentionOptions(0.1, sliding_window=8, logit_softcap=3))
+    for name in ("torch", "batched"):  # (cpu_paged too: its kernel's layers are the plain ones, the rest batched)
+        make_attention_backend(name, CPU).check_options(LayerAttentionOptions(0.1, sliding_window=8, logit_softcap=3))
 
 
 @pytest.mark.fast

@@ -97,6 +97,19 @@ def test_the_built_in_families_are_entries_sharing_llamas_decoder():
 
 
 @pytest.mark.fast
+def test_the_newer_families_are_entries_with_their_own_model_classes():
+    names = {entry.name: entry for entry in registry.architectures()}
+    newer = {"qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi3"}
+    assert set(names) >= newer
+    assert all(names[name].model_class is not LlamaForCausalLM for name in newer)
+    assert {cls for name in newer for cls in names[name].hf_classes} == {
+        "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+    }  # fmt: skip
+    assert all(not names[name].gguf_names for name in newer)  # their GGUF layouts are not read yet
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("name", "expected"),
     [

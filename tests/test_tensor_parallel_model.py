@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import GEMMA2, GEMMA3, MIXTRAL, PHI3, QWEN3, QWEN3_MOE, write_checkpoint
 from safetensors.torch import load_file, save_file
 from tp_ranks import CPU, run_steps
 
@@ -132,6 +133,29 @@ def test_two_ranks_give_the_single_process_logits_and_transformers(tmp_path, spe
         torch.testing.assert_close(got, single[index], rtol=0, atol=1e-4)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("spec", "backend"),
+    [(QWEN3, "auto"), (MIXTRAL, "batched"), (QWEN3_MOE, "auto"), (GEMMA2, "auto"), (GEMMA3, "torch"), (PHI3, "auto")],
+    ids=["qwen3", "mixtral", "qwen3-moe", "gemma2", "gemma3", "phi3"],
+)
+def test_two_ranks_give_transformers_logits_for_the_newer_families(tmp_path, spec, backend):
+    """Per-head q/k norms replicated, every expert split the Megatron way (the router replicated), Gemma's four norms
+    replicated and its soft-capped logits capped per shard before the gather, Phi-3's fused checkpoint tensors split
+    piece by piece; windows shorter than the prompts."""
+    model_dir = write_checkpoint(tmp_path / "model", spec)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [(37, 3), (6, 2), (21, 4)]  # (prompt, decodes): chunks of 8, two prompts longer than Gemma's window
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n, _ in lengths]
+    continuations = [torch.randint(0, 256, (n,), generator=generator).tolist() for _, n in lengths]
+    job = {"model_dir": str(model_dir), "backend": backend, "prompts": prompts, "continuations": continuations,
+           "chunk": 8}  # fmt: skip
+    run_ranks(tmp_path / "job", job)
+    sharded = load_file(str(tmp_path / "job" / "logits.safetensors"))
+    for index, (prompt, continuation) in enumerate(zip(prompts, continuations, strict=True)):
+        expected = transformers_logits(model_dir, prompt + continuation)
+        torch.testing.assert_close(sharded[f"seq{index}"], expected, rtol=0, atol=1e-4)
 
 
 def test_each_rank_holds_and_loads_about_half_the_weights(tmp_path):

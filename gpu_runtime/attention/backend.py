@@ -49,11 +49,15 @@ class AttentionBackend(ABC):
         return cls()
 
     def check_options(self, options: LayerAttentionOptions) -> None:
-        """Raises ValueError naming what this backend cannot do (the batched kernels do plain attention only)."""
+        """Raises ValueError naming what this backend cannot do (this default: plain attention only)."""
         if options.sliding_window is not None:
-            raise ValueError(f"attention_backend: {self.name} has no sliding-window attention (torch has)")
+            raise ValueError(
+                f"attention_backend: {self.name} has no sliding-window attention (torch, batched, cpu_paged have)"
+            )
         if options.logit_softcap is not None:
-            raise ValueError(f"attention_backend: {self.name} has no logit soft-capping (torch has)")
+            raise ValueError(
+                f"attention_backend: {self.name} has no logit soft-capping (torch, batched, cpu_paged have)"
+            )
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata) -> None:

@@ -1,12 +1,15 @@
 """The CPU's fastest backend: decodes through the C++ kernel that reads K/V in place in the page pool, prompt
-chunks through the batched torch path (prefill is compute-bound: its matmuls, not the reading, decide)."""
+chunks through the batched torch path (prefill is compute-bound: its matmuls, not the reading, decide).
+
+The kernel does plain attention (a scale, the whole context); a layer with a sliding window or soft-capped logits
+(Gemma's) decodes through the batched path instead, which honours both, so every option is served here."""
 
 from __future__ import annotations
 
 import torch
 
 from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions, require_planned
-from gpu_runtime.attention.batched import SdpaMasks, prefill_attention
+from gpu_runtime.attention.batched import StepMasks, decode_attention, prefill_attention
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.attention.pages import write_pages
 
@@ -16,7 +19,7 @@ class CpuPagedAttention(AttentionBackend):
 
     def __init__(self, kernel):
         self._paged_decode = kernel  # gpu_runtime.attention.cpu_kernel.load_cpu_kernel()
-        self._masks: SdpaMasks | None = None
+        self._masks: StepMasks | None = None
 
     @classmethod
     def create(cls, device: torch.device) -> CpuPagedAttention:
@@ -29,17 +32,25 @@ class CpuPagedAttention(AttentionBackend):
             raise ValueError("attention_backend: cpu_paged's kernel could not be built here (see the message above)")
         return cls(kernel)
 
+    def check_options(self, options: LayerAttentionOptions) -> None:
+        pass  # the kernel runs plain layers; the others decode through the batched path
+
     def plan(self, meta: AttentionMetadata) -> None:
-        self._masks = SdpaMasks.of(meta, with_decode=False)  # the kernel needs no mask: only the prompt chunks do
+        self._masks = StepMasks(meta)  # the kernel needs no mask: the prompt chunks do, and the non-plain decodes
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata, options: LayerAttentionOptions):
         masks = require_planned(self._masks, meta, self.name)
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
         decode = meta.decode
         if decode is not None:
-            decoded = self._paged_decode(
-                q[decode.rows], k_pages, v_pages, decode.block_table, decode.context_lens, options.scale
-            )
+            queries = q[decode.rows]
+            if options.is_plain:
+                decoded = self._paged_decode(
+                    queries, k_pages, v_pages, decode.block_table, decode.context_lens, options.scale
+                )
+            else:  # a window or soft-capped logits: the batched path's decode, which honours them
+                decoded = decode_attention(queries, k_pages, v_pages, decode, masks.decode(options.sliding_window),
+                                           options)  # fmt: skip
             if meta.prefill is None and decoded.shape[0] == q.shape[0]:  # a decode-only step: nothing to merge
                 return decoded
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -47,6 +58,6 @@ class CpuPagedAttention(AttentionBackend):
             out[decode.rows] = decoded
         if meta.prefill is not None:
             rows = meta.prefill.rows
-            out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill, masks.prefill,
-                                          options.scale)  # fmt: skip
+            out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill,
+                                          masks.prefill(options.sliding_window), options)  # fmt: skip
         return out

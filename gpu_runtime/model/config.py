@@ -14,7 +14,10 @@ from gpu_runtime.model import registry
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding parameters; `rope_type` is "default" or "llama3"."""
+    """Rotary embedding parameters; `rope_type` is "default", "linear" (frequencies divided by `factor`), "llama3",
+    or "longrope" (Phi-3's: frequencies divided by short_factor up to original_max_position_embeddings, long_factor
+    past it, cos and sin scaled by attention_factor). Which types an architecture runs: its registry entry's
+    rope_types."""
 
     theta: float
     rope_type: str = "default"
@@ -22,6 +25,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (the first ones; Phi-4-mini)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A sparse Mixture-of-Experts MLP: a router picks `top_k` of `num_experts` gated MLPs for each token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k softmax weights divided by their sum (Mixtral always; Qwen3-MoE norm_topk_prob)
+    layers: tuple[bool, ...]  # per layer: sparse (True) or the dense MLP of `intermediate_size` (False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +63,16 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # What only some families have; each one's adapt_config sets its own (the defaults are Llama's).
+    hidden_act: str = "silu"  # the gated MLP's activation (its architecture's `activations` list what it runs)
+    moe: MoeConfig | None = None  # the sparse expert layers, for a Mixture-of-Experts family
+    # Per layer "full_attention" or "sliding_attention" (Gemma's interleaving); () is every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # the window of the "sliding_attention" layers
+    local_rope: RopeConfig | None = None  # the sliding layers' rotary, where it is not `rope` (Gemma 3)
+    query_scale: float | None = None  # multiplies q.k (Gemma's query_pre_attn_scalar ** -0.5); None: 1/sqrt(d)
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits likewise, after lm_head (Gemma 2)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -69,15 +97,28 @@ def _architecture_of(raw: dict[str, Any]) -> registry.Architecture:
 
 
 def _rope_of(raw: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_theta` + `rope_scaling`.
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_theta` + `rope_scaling`. A family
+    # whose layers differ keeps one set per layer type (Gemma 3): the global layers' is the model's `rope` here,
+    # and its adapt_config reads the others (rope_of_parameters).
     params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    layered = raw.get("rope_parameters") or {}
+    if layered and all(isinstance(value, dict) for value in layered.values()):
+        layered = layered.get("full_attention") or {}
+    params.update(layered)
+    return rope_of_parameters(params, float(raw.get("rope_theta", 10000.0)))
+
+
+def rope_of_parameters(params: dict[str, Any], default_theta: float) -> RopeConfig:
+    """The RopeConfig of one set of rotary parameters (rope_parameters' or rope_scaling's keys)."""
+    theta = float(params.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     if rope_type != "llama3":
-        raise ValueError(f"config.json: rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
+        # Refused after the architecture's adapt_config, unless it read the rope itself (Phi-3's longrope).
+        return RopeConfig(theta=theta, rope_type=str(rope_type))
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
@@ -122,8 +163,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     raw = _read_json(config_path)
     generation = _read_json(model_dir / "generation_config.json")
     architecture = _architecture_of(raw)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={raw['hidden_act']!r} is not supported (silu)")
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     attention_bias = bool(raw.get("attention_bias", False))
@@ -145,5 +184,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         eos_token_ids=_eos_ids(raw, generation),
         bos_token_id=raw.get("bos_token_id"),
+        hidden_act=str(raw.get("hidden_act", "silu")),
     )
-    return architecture.adapt_config(raw, config)
+    config = architecture.adapt_config(raw, config)
+    for rope in (config.rope, config.local_rope):
+        if rope is not None and rope.rope_type not in architecture.rope_types:
+            supported = ", ".join(architecture.rope_types)
+            raise ValueError(f"config.json: rope_scaling.rope_type={rope.rope_type!r} is not supported ({supported})")
+    if config.hidden_act not in architecture.activations:
+        supported = ", ".join(architecture.activations)
+        raise ValueError(f"config.json: hidden_act={config.hidden_act!r} is not supported ({supported})")
+    return config

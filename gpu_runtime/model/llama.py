@@ -1,5 +1,7 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache; with a
-TensorParallel, one rank's shard of it (the split: tensor_parallel.py)."""
+TensorParallel, one rank's shard of it (the split: tensor_parallel.py). Its pieces are what the other decoders here
+are built from: Qwen3 (qwen3.py) adds per-head q/k norms, the MoE families (moe.py) swap the MLP of some layers, Gemma
+(gemma.py) reuses the attention and MLP under its own norms."""
 
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
 from gpu_runtime.model.tensor_parallel import TensorParallel, VocabParallelEmbedding, holds_row_bias, shard_config
+
+# The gated MLP's activations by config.json name (ModelConfig.hidden_act), as transformers' ACT2FN computes them.
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),  # Gemma's GeGLU
+}
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +42,13 @@ class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projections; K/V live in the layer's page pool. Under tensor
     parallelism `config` is the rank's view: its heads only, o_proj's partial sums added over the ranks."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+        options: LayerAttentionOptions | None = None,  # this layer's, where its family's layers differ (Gemma)
+    ):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -43,7 +57,8 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and holds_row_bias(tp))
-        self.options = LayerAttentionOptions.default(config.head_dim)  # every layer alike, as Llama's are
+        # Every layer alike, as Llama's are, unless the family says otherwise.
+        self.options = options or LayerAttentionOptions.default(config.head_dim)
         backend.check_options(self.options)
         self.backend = backend
         self.tp = tp
@@ -52,15 +67,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # Queries and keys rotated together, as one [tokens, heads + kv_heads, head_dim] block.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, *rotation)
+        qk = apply_rotary(self.normed(qk), *rotation)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.o_proj(self.backend.forward(q, k, v, k_pages, v_pages, meta, self.options).flatten(1))
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def normed(self, qk: torch.Tensor) -> torch.Tensor:
+        """The [tokens, heads + kv_heads, head_dim] queries and keys before RoPE: Llama's as they are (QKNormAttention
+        normalises each head)."""
+        return qk
+
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+    """Gated feed-forward (SwiGLU, or GeGLU with Gemma's activation) with the gate and up projections fused into
+    one matmul."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -68,25 +89,30 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         down_bias = config.mlp_bias and holds_row_bias(tp)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=down_bias)
+        self.act = ACTIVATIONS[config.hidden_act]
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(nn.functional.silu(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None = None):
+    """Pre-norm residual block: attention, then the MLP (a dense one, or a family's own: an MoE block)."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, tp)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        # Under the checkpoint's name for it, so that its tensors map by name (Mixtral's is block_sparse_moe).
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
 
     def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotation, k_pages, v_pages, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._modules[self.mlp_name](self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,10 +137,14 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(vocab, hidden)
         else:
             self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, backend, tp, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab if tp is None else tp.vocab_shard(vocab)[1], bias=False)
         self.tie_weights()
+
+    def make_layer(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None, index: int):
+        """Layer `index` (`config` the rank's view): where a family built on this decoder differs (qwen3.py, moe.py)."""
+        return DecoderLayer(config, Attention(config, backend, tp), MLP(config, tp))
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding table where the checkpoint says so (again after `to_empty`, which unties)."""

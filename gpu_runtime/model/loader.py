@@ -16,7 +16,7 @@ from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model import registry
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.load_progress import LoadProgress
-from gpu_runtime.model.registry import Architecture, CausalLM, split_tensor_name
+from gpu_runtime.model.registry import Architecture, CausalLM, split_table_key, split_tensor_name
 from gpu_runtime.model.rope import RotaryEmbedding
 from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.model.tp_checkpoint import CheckpointShards, SplitKind
@@ -111,10 +111,11 @@ def _finish_materialising(model: CausalLM) -> None:
 
 @torch.no_grad()
 def _fill_at_random(model: CausalLM) -> CausalLM:
-    """Weights as a freshly initialised Llama's (normal, std 0.02; norms 1), drawn where they lie."""
+    """Weights as a freshly initialised Llama's (normal, std 0.02; norms the identity: 1, or 0 for a norm that
+    scales by 1 + w, Gemma's), drawn where they lie."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            param.fill_(getattr(model.get_submodule(name.removesuffix(".weight")), "identity_weight", 1.0))
         else:
             param.normal_(0.0, 0.02)
     return model
@@ -126,16 +127,21 @@ def _expected_pieces(entry: Architecture, params: dict, config: ModelConfig) -> 
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        layer, module, _ = split_tensor_name(f"model.{name}")  # a parameter's name is its tensor's, less "model."
+        layer, module, kind = split_tensor_name(f"model.{name}")  # a parameter's name is its tensor's, less "model."
         fused = entry.fused_parameter(module) if layer is not None else None
-        pieces.update([f"{name}[{piece}]" for piece in range(len(fused.pieces))] if fused else [name])
+        stacked = entry.expert_parameter(f"{module}.{kind}") if layer is not None else None
+        if stacked is not None:  # every expert's every piece
+            experts = params[name].shape[0]
+            pieces.update(f"{name}[{e}][{piece}]" for e in range(experts) for piece in range(len(stacked.pieces)))
+        else:
+            pieces.update([f"{name}[{piece}]" for piece in range(len(fused.pieces))] if fused else [name])
     return pieces
 
 
 def _copy_into(entry: Architecture, model: CausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:
     """Copies one checkpoint tensor into its (possibly fused) parameter; returns the piece it filled."""
     layer, module, kind = split_tensor_name(name)
-    split = entry.tp_splits.get(module)
+    split = entry.tp_splits.get(split_table_key(module))
     if split is not None and split.kind is SplitKind.NOT_LOADED:
         return None  # recomputed from config.json
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -144,6 +150,9 @@ def _copy_into(entry: Architecture, model: CausalLM, params: dict, name: str, te
         target = name.removeprefix("model.")
         _checked_copy(params, target, tensor, name)
         return target
+    expert_piece = entry.expert_piece(module)
+    if expert_piece is not None:
+        return _copy_expert(params, model.config, layer, expert_piece, name, tensor)
     fused_piece = entry.fused_piece(module)
     if fused_piece is None:
         target = f"layers.{layer}.{module}.{kind}"
@@ -160,6 +169,24 @@ def _copy_into(entry: Architecture, model: CausalLM, params: dict, name: str, te
         raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
     _copy(params[target].data[offset : offset + tensor.shape[0]], tensor)
     return f"{target}[{piece}]"
+
+
+def _copy_expert(params: dict, config: ModelConfig, layer: int, expert_piece, name: str, tensor) -> str:
+    """Copies one expert's checkpoint tensor into its rows of [expert] of the stacked parameter."""
+    stacked, expert, piece = expert_piece
+    target = f"layers.{layer}.{stacked.name}"
+    if target not in params or not name.endswith(".weight"):
+        raise ValueError(f"model: unexpected checkpoint tensor {name!r}")
+    param = params[target]
+    if expert >= param.shape[0]:
+        raise ValueError(f"model: {name!r} is expert {expert}, but the model has {param.shape[0]} experts")
+    rows = stacked.rows(config)
+    offset = sum(rows[:piece])
+    expected = (rows[piece], *param.shape[2:])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"model: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+    _copy(param.data[expert, offset : offset + rows[piece]], tensor)
+    return f"{target}[{expert}][{piece}]"
 
 
 def _checked_copy(params: dict, target: str, tensor: torch.Tensor, source: str) -> None:

@@ -26,9 +26,17 @@ _MODULES = (
     "gpu_runtime.model.architectures.llama",
     "gpu_runtime.model.architectures.mistral",
     "gpu_runtime.model.architectures.qwen2",
+    "gpu_runtime.model.architectures.qwen3",
+    "gpu_runtime.model.architectures.mixtral",
+    "gpu_runtime.model.architectures.qwen3_moe",
+    "gpu_runtime.model.architectures.gemma2",
+    "gpu_runtime.model.architectures.gemma3",
+    "gpu_runtime.model.architectures.phi3",
 )
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.([^.]+)$")
+# A per-expert checkpoint module: "mlp.experts.3.gate_proj" is expert 3's piece of "mlp.experts.*.gate_proj".
+_EXPERT_MODULE = re.compile(r"^(.+\.experts)\.(\d+)\.([^.]+)$")
 
 
 class CausalLM(Protocol):
@@ -56,6 +64,31 @@ class FusedParameter:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertParameter:
+    """One [num_experts, rows, columns] parameter that every expert's checkpoint tensors fill: expert e's pieces
+    stacked along the rows of [e] (each expert's gate and up into gate_up_proj), so that the MoE block runs one
+    matmul per expert over the tokens routed to it. Checkpoints store each expert's matrices apart; they are stacked
+    as they are loaded."""
+
+    name: str  # the parameter within a layer: "mlp.experts.gate_up_proj"
+    pieces: tuple[str, ...]  # the per-expert checkpoint modules, "*" for the expert's number, in row order
+    rows: Callable[[ModelConfig], tuple[int, ...]]  # each piece's rows, for a config (a rank's view under TP)
+
+
+def expert_module(module: str) -> tuple[str, int] | None:
+    """("mlp.experts.*.gate_proj", 3) for a per-expert module "mlp.experts.3.gate_proj"; None for the others."""
+    match = _EXPERT_MODULE.match(module)
+    return (f"{match.group(1)}.*.{match.group(3)}", int(match.group(2))) if match else None
+
+
+def split_table_key(module: str) -> str:
+    """The key a checkpoint module has in a split table: itself, or for an expert's, its name with "*" for the
+    expert (every expert splits alike)."""
+    expert = expert_module(module)
+    return module if expert is None else expert[0]
+
+
+@dataclass(frozen=True, slots=True)
 class Architecture:
     """One architecture tokend serves. Tensor names are a checkpoint's (transformers'): `model.layers.N.` dropped
     from a layer's, the rest whole ("model.embed_tokens", "lm_head"), always without `.weight`/`.bias`."""
@@ -70,6 +103,9 @@ class Architecture:
     # The fields this architecture reads its own way from config.json, over the ones read alike for all of them.
     adapt_config: Callable[[dict[str, Any], ModelConfig], ModelConfig] = lambda raw, config: config
     gguf_names: tuple[str, ...] = ()  # the GGUF general.architecture values converted as this architecture
+    activations: tuple[str, ...] = ("silu",)  # the MLP activations (ModelConfig.hidden_act) its model class runs
+    rope_types: tuple[str, ...] = ("default", "linear", "llama3")  # the RopeConfig.rope_type values it runs
+    experts: tuple[ExpertParameter, ...] = ()  # per-expert checkpoint tensors stacked into one parameter each
 
     def fused_piece(self, module: str) -> tuple[FusedParameter, int] | None:
         """The fused parameter a checkpoint module goes into, and which piece of it; None if it maps by name."""
@@ -80,6 +116,19 @@ class Architecture:
 
     def fused_parameter(self, module: str) -> FusedParameter | None:
         return next((fused for fused in self.fused if fused.name == module), None)
+
+    def expert_piece(self, module: str) -> tuple[ExpertParameter, int, int] | None:
+        """The stacked expert parameter a per-expert checkpoint module goes into, its expert and its piece."""
+        expert = expert_module(module)
+        if expert is None:
+            return None
+        for stacked in self.experts:
+            if expert[0] in stacked.pieces:
+                return stacked, expert[1], stacked.pieces.index(expert[0])
+        return None
+
+    def expert_parameter(self, name: str) -> ExpertParameter | None:
+        return next((stacked for stacked in self.experts if stacked.name == name), None)
 
 
 def split_tensor_name(name: str) -> tuple[int | None, str, str]:

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (default and llama3 scaling) and a cos/sin table."""
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3 and longrope scaling) and a cos/sin
+table; a partial rotary (Phi-4-mini) rotates each head's first dimensions and leaves the rest."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ import torch
 from gpu_runtime.model.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair rotation frequencies, computed exactly as transformers does so outputs match bit for bit."""
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """The dimensions of each head that rotate (all of them unless partial_rotary_factor says fewer)."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """Per-pair rotation frequencies, computed exactly as transformers does so outputs match bit for bit (`head_dim`:
+    the rotated dimensions; `long`: longrope's set for the positions past its original context)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope)
+    elif rope.rope_type == "linear":  # positions interpolated: every frequency slowed by `factor` (Gemma 3's global)
+        inv_freq = inv_freq / rope.factor
     return inv_freq
 
 
@@ -41,7 +53,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.rope = rope
-        self.head_dim = head_dim
+        self.head_dim = head_dim = rotary_dim(rope, head_dim)  # the rotated dimensions, the tables' width
         self.max_positions = max_positions
         device = torch.empty(0).device  # the ambient one: a `with torch.device(...)` block's, else the default
         if device.type == "meta":
@@ -61,13 +73,22 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(self.rope, self.head_dim).to(device)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
+        if self.rope.rope_type == "longrope":
+            # The long factors rotate the positions past the original context. transformers picks one set per
+            # forward instead (long for every position once its longest passes it), which no cache of rotated keys
+            # can follow; within the original context both are the short set, so outputs there are equal.
+            long = torch.outer(positions, inverse_frequencies(self.rope, self.head_dim, long=True).to(device))
+            beyond = positions[:, None] >= self.rope.original_max_position_embeddings
+            freqs = torch.where(beyond, long, freqs)
         angles = torch.cat((freqs, freqs), dim=-1)
         # The sine's first half negated: rotate_half(x) * sin is then roll(x) * signed_sin, one op fewer per layer
         # and the same numbers (negating a product's factor instead of the product is exact).
         half = self.head_dim // 2
-        sin = angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        if self.rope.attention_factor != 1.0:  # longrope's scaling of cos and sin, as transformers applies it
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return angles.cos().to(dtype), signed_sin.to(dtype)
+        return cos.to(dtype), signed_sin.to(dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The [tokens, 1, head_dim] cos and signed sin rows of these positions: looked up once per step, for every
@@ -81,5 +102,9 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE on [tokens, heads, head_dim] (queries and keys side by side, in one pass): transformers'
     x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written as roll(x) = (x2, x1) times a sine whose
-    first half is negated."""
+    first half is negated. Tables narrower than the heads (a partial rotary) rotate their first dimensions only."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        rotated = x[..., :dim]
+        return torch.cat((rotated * cos + rotated.roll(dim // 2, dims=-1) * signed_sin, x[..., dim:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

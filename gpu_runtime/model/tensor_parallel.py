@@ -8,6 +8,11 @@ Each rank holds 1/N of the attention heads (query and KV heads alike, so its KV 
   all-reduce per block adds them up. A row-parallel bias is held by rank 0 alone and added inside its matmul,
   before the reduce (vLLM's way), so it counts once and every projection stays a plain nn.Linear, which the CPU's
   prepacking (cpu_weights.py) replaces like any other;
+- a Mixture-of-Experts block is split the same way inside every expert (Megatron's split of each expert's MLP, not
+  whole experts per rank): each rank holds 1/N of every expert's gate/up columns and the matching down rows, routes
+  every token itself (the router is replicated: every rank picks the same experts) and one all-reduce adds the
+  partial sums. So every rank does 1/N of every routed token's work whatever the routing (whole experts per rank
+  would leave ranks idle when the router favours one rank's experts, and need N to divide the expert count);
 - the embedding is vocabulary-parallel: a rank looks up the ids in its range, zeros for the others, one all-reduce;
 - lm_head is vocabulary-parallel: each rank computes its vocabulary's logits, gathered to rank 0, which samples.
 A vocabulary that does not divide by N is padded (vLLM's way): every rank holds ceil(V / N) rows, the last ones'
@@ -83,6 +88,8 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
         "num_key_value_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.moe is not None:  # every expert's gate/up columns and down rows are split alike
+        sizes["moe_intermediate_size"] = config.moe.intermediate_size
     for name, size in sizes.items():
         if size % world_size:
             raise ValueError(
@@ -97,11 +104,13 @@ def shard_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     the whole vocabulary: the logits rank 0 gets cover all of it."""
     check_divisible(config, tp.world_size)
     n = tp.world_size
+    moe = config.moe and dataclasses.replace(config.moe, intermediate_size=config.moe.intermediate_size // n)
     return dataclasses.replace(
         config,
         num_heads=config.num_heads // n,
         num_kv_heads=config.num_kv_heads // n,
         intermediate_size=config.intermediate_size // n,
+        moe=moe,
     )
 
 

@@ -6,8 +6,9 @@ tensor_parallel.py's: column-parallel projections by rows, row-parallel ones by 
 0 alone), the embedding and lm_head by vocabulary rows (padded with zero rows to ceil(V / N)), norms whole.
 
 Each architecture lists every one of its checkpoint modules in its split table (the model registry's tp_splits),
-the replicated ones too: a tensor the table does not name is an error naming it, never replicated by default (an
-expert's weights quietly copied to every rank would be wrong and waste memory).
+the replicated ones too, and an expert's once for all experts ("mlp.experts.*.gate_proj"): a tensor the table does
+not name is an error naming it, never replicated by default (an expert's weights quietly copied to every rank would
+be wrong and waste memory).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_runtime.model.config import ModelConfig
-from gpu_runtime.model.registry import split_tensor_name
+from gpu_runtime.model.registry import split_table_key, split_tensor_name
 from gpu_runtime.model.tensor_parallel import TensorParallel, holds_row_bias
 
 
@@ -35,10 +36,18 @@ class SplitKind(enum.Enum):
 class TensorSplit:
     kind: SplitKind
     length: Callable[[ModelConfig], int] | None = None  # COLUMN and ROW: the split dimension's whole length
+    # COLUMN of a tensor the checkpoint stores fused (Phi-3's qkv_proj): its pieces' rows, each split on its own.
+    pieces: Callable[[ModelConfig], tuple[int, ...]] | None = None
 
 
 def column_parallel(length: Callable[[ModelConfig], int]) -> TensorSplit:
     return TensorSplit(SplitKind.COLUMN, length)
+
+
+def fused_column_parallel(pieces: Callable[[ModelConfig], tuple[int, ...]]) -> TensorSplit:
+    """A checkpoint tensor that stacks several column-parallel projections (q, k and v): each rank reads its share
+    of every piece, stacked in the same order, as the rank's fused parameter holds them."""
+    return TensorSplit(SplitKind.COLUMN, lambda config: sum(pieces(config)), pieces)
 
 
 def row_parallel(length: Callable[[ModelConfig], int]) -> TensorSplit:
@@ -66,7 +75,7 @@ class CheckpointShards:
         rank's parameter)."""
         shape = tuple(part.get_shape())
         _, module, kind = split_tensor_name(name)
-        split = self.splits.get(module)
+        split = self.splits.get(split_table_key(module))
         if split is None:
             raise ValueError(
                 f"model: checkpoint tensor {name!r} is not in {self.config.architecture}'s tensor-parallel split "
@@ -85,9 +94,20 @@ class CheckpointShards:
             return part[:] if holds_row_bias(self.tp) else None
         if len(shape) <= dim or shape[dim] != length:
             raise ValueError(f"model: {name!r} has shape {shape}, expected {length} along dimension {dim}")
+        if split.pieces is not None:
+            return self._piece_rows(part, split.pieces(self.config))
         size = length // self.tp.world_size
         start = self.tp.rank * size
         return part[start : start + size] if dim == 0 else part[:, start : start + size]
+
+    def _piece_rows(self, part, pieces: tuple[int, ...]) -> torch.Tensor:
+        rows, offset = [], 0
+        for piece in pieces:
+            size = piece // self.tp.world_size
+            start = offset + self.tp.rank * size
+            rows.append(part[start : start + size])
+            offset += piece
+        return torch.cat(rows)
 
     def _vocab_rows(self, name: str, part, shape: tuple[int, ...]) -> torch.Tensor:
         vocab = self.config.vocab_size

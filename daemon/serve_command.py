@@ -35,9 +35,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if unavailable:  # before any model load: a port someone else holds is the operator's to free
         print(f"tokend serve: {unavailable}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    import setproctitle
+    from daemon.supervisor import Supervisor, runtime_parent_problem
 
-    from daemon.supervisor import Supervisor
+    if problem := runtime_parent_problem():
+        print(f"tokend serve: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    import setproctitle
 
     setproctitle.setproctitle("tokend: serve")
     log = configure_logging("daemon", config.log_level)

@@ -306,6 +306,25 @@ class Supervisor:
         return self._make_child("gateway", "frontend.gateway", spec_path, listening_path=Path(spec.listening_path))
 
 
+# An ipc:// socket's path must fit in sun_path (107 bytes and a NUL): the directory the private runtime directory is
+# made in leaves room for mkdtemp's name and the longest socket file in it.
+MAX_RUNTIME_PARENT_BYTES = 107 - len("/tokend-xxxxxxxx/kv-scheduler-999-99999.ipc")
+
+
+def runtime_parent_problem() -> str | None:
+    """Why the runtime directory's parent ($RUNTIME_DIRECTORY, else the temporary directory) cannot hold the ipc
+    sockets, or None: checked before any process starts, since past the limit every bind fails."""
+    parent = _systemd_runtime_dir() or tempfile.gettempdir()
+    length = len(os.fsencode(parent))
+    if length <= MAX_RUNTIME_PARENT_BYTES:
+        return None
+    where = "RUNTIME_DIRECTORY" if _systemd_runtime_dir() else "TMPDIR (the temporary directory)"
+    return (
+        f"{where}: {parent!r} is {length} bytes long; the ipc:// sockets made under it need it at most "
+        f"{MAX_RUNTIME_PARENT_BYTES} bytes (a socket path must fit in 107): use a shorter one, e.g. /run/tokend"
+    )
+
+
 def _systemd_runtime_dir() -> str | None:
     # systemd's RuntimeDirectory= sets $RUNTIME_DIRECTORY; elsewhere the system temporary directory.
     value = os.environ.get("RUNTIME_DIRECTORY")

@@ -18,7 +18,7 @@ from worker_fakes import FakeChildren, FakeLog
 from common.exit_codes import EXIT_CANNOT_SERVE, EXIT_CONFIG_ERROR
 from daemon.admin_token import read_admin_token
 from daemon.config import ServeConfig
-from daemon.supervisor import Supervisor
+from daemon.supervisor import Supervisor, runtime_parent_problem
 from frontend.control_messages import ControlHello, TenantsApplied, TenantsUpdate
 from frontend.gateway.spec import GatewaySpec
 from frontend.spec import FrontendSpec, TenantSpec, spec_text
@@ -142,3 +142,12 @@ def test_reloaded_tenants_are_versioned_and_sent_until_the_frontend_applies_them
     finally:
         made.control.close()
         shutil.rmtree(made.runtime_dir, ignore_errors=True)
+
+
+def test_a_runtime_directory_too_long_for_ipc_socket_paths_is_refused_naming_it(monkeypatch):
+    long_parent = "/tmp/" + "d" * 80
+    monkeypatch.setenv("RUNTIME_DIRECTORY", long_parent)
+    problem = runtime_parent_problem()
+    assert problem is not None and "RUNTIME_DIRECTORY" in problem and long_parent in problem and "107" in problem
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/tokend")
+    assert runtime_parent_problem() is None

@@ -23,7 +23,7 @@ import pytest
 import torch
 import zmq
 from checkpoints import LLAMA_GQA, QWEN2, write_checkpoint
-from harness.parallel import worker_group
+from harness.parallel import file_units_scheduler
 from harness.tiers import TIER_MARKERS, TIERS
 
 # The CPU attention kernel is built once per machine (a minute), not once per run: the tests (and the daemons
@@ -62,8 +62,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, which needs the tiers to be on the items
 def pytest_collection_modifyitems(config, items):
     """Marks every test with its file's tier (harness/tiers.py), unless the file marks itself; a test file in no
-    tier, or in two, stops the run naming it, so that no file silently drops out of `-m fast` and the rest. And
-    with its xdist group (harness/parallel.py): which tests one worker runs together."""
+    tier, or in two, stops the run naming it, so that no file silently drops out of `-m fast` and the rest."""
     problems = set()
     for item in items:
         path = item.path.resolve()
@@ -75,7 +74,6 @@ def pytest_collection_modifyitems(config, items):
             problems.add(f"{name}: in no tier: add it to tests/harness/tiers.py (or give it a pytestmark)")
         elif not own:
             item.add_marker(TIERS[name])
-        item.add_marker(pytest.mark.xdist_group(worker_group(name)))
     if problems:
         raise pytest.UsageError("test tiers:\n  " + "\n  ".join(sorted(problems)))
 
@@ -99,6 +97,11 @@ def _fast_tests_start_nothing(request, monkeypatch):
         from gpu_runtime.engine import LLMEngine
 
         monkeypatch.setattr(LLMEngine, "__init__", refuse("built an engine", "engine"))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (scripts/test's) with the many-process files in one unit: harness/parallel.py."""
+    return file_units_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def kv_bytes_for(model_dir, page_size: int, num_pages: int) -> int:

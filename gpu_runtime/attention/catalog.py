@@ -31,6 +31,11 @@ BACKENDS = (
     BackendEntry(
         "torch", "gpu_runtime.attention.torch_paged:TorchPagedAttention", "one call per sequence: the reference"
     ),
+    BackendEntry(
+        "triton",
+        "gpu_runtime.attention.triton_paged:TritonPagedAttention",
+        "Triton kernels reading the pages in place (split-KV decode, varlen prefill), CUDA only",
+    ),
 )
 AUTO_HELP = "cpu_paged on a CPU, torch there if the kernel cannot be built, batched on CUDA"
 

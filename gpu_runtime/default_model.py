@@ -96,9 +96,11 @@ def served_name(model: str | None) -> str:
     return Path(model).name.removesuffix(".gguf") if model else DEFAULT_MODEL_NAME
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, quantization: str = "none") -> Path:
     """The checkpoint directory the engine loads for a `--model` value (none: the default), converting or writing
-    it into the cache first where needed. A path that exists wins over a built-in name."""
+    it into the cache first where needed. A path that exists wins over a built-in name. A GGUF file (the default
+    model's too) keeps its quantized blocks with `quantization` "auto" (the engine passes its option); "none", the
+    float checkpoint transformers can read too."""
     path = Path(model) if model else None
     if path is not None and (path / "config.json").is_file():
         return path
@@ -106,9 +108,9 @@ def resolve_model_dir(model: str | None) -> Path:
     if gguf is not None:
         from gpu_runtime.gguf.convert import ensure_converted
 
-        return ensure_converted(gguf)
+        return ensure_converted(gguf, keep_blocks=quantization == "auto")
     if not model or model == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
+        return ensure_default_model(quantization)
     if model == TINY_RANDOM_MODEL_NAME:
         return ensure_tiny_random_model()
     raise ValueError(f"model: {model!r} is not {MODEL_REFERENCE}")
@@ -128,11 +130,12 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def ensure_default_model() -> Path:
-    """The default model's directory (SmolLM2-135M-Instruct), converting its GGUF first if this cache has none."""
+def ensure_default_model(quantization: str = "none") -> Path:
+    """The default model's directory (SmolLM2-135M-Instruct), converting its GGUF first if this cache has none;
+    its Q4_1/Q8_0 blocks kept with `quantization` "auto", else dequantized to float32 (what transformers loads)."""
     from gpu_runtime.gguf.convert import ensure_converted
 
-    return ensure_converted(smollm2_gguf_path())
+    return ensure_converted(smollm2_gguf_path(), keep_blocks=quantization == "auto")
 
 
 def ensure_tiny_random_model() -> Path:

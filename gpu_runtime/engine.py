@@ -48,7 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         self.config = config
         # A directory, a .gguf file (converted into the cache once), a built-in model's name, or none: the default.
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model, config.quantization)
         self.model_dir = model_dir
         self.model_name = config.served_model_name or served_name(config.model)
         self.model_config = load_capped_model_config(model_dir, config.max_model_len)

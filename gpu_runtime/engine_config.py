@@ -104,6 +104,14 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         Literal["auto", "dummy"],
         _doc("auto: the checkpoint's safetensors; dummy: random weights of its shape, for benchmarks (as vLLM's)"),
     ] = "auto"
+    quantization: Annotated[
+        Literal["auto", "none"],
+        _doc(
+            "GGUF weights: auto serves the blocks the file holds (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as they are, "
+            "multiplied in place by the CPU kernel (less memory, faster batch-1 decode, slower batches today: "
+            "docs/BENCHMARKS.md); none dequantizes them to float32 at conversion (the exact path, the default)"
+        ),
+    ] = "none"
     generation_config: Annotated[
         str,
         _doc(
@@ -147,6 +155,7 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         tp = self.tensor_parallel_size
         require(is_int(tp) and tp >= 1, "tensor_parallel_size", "an integer >= 1", tp)
         require(self.load_format in ("auto", "dummy"), "load_format", "auto|dummy", self.load_format)
+        require(self.quantization in ("auto", "none"), "quantization", "auto|none", self.quantization)
         generation = self.generation_config
         require(isinstance(generation, str) and bool(generation), "generation_config", "auto|vllm|DIR", generation)
         template = self.chat_template

@@ -61,5 +61,8 @@ fi
 # The CPU's paged-attention kernel, compiled for this machine now rather than at the first start (a minute).
 step "building the CPU attention kernel ($why)"
 "$venv/bin/python" -m gpu_runtime.attention.cpu_kernel || step "no CPU attention kernel: the CPU uses plain torch"
+# The quantized GGUF matmul kernel (--quantization auto), likewise built now rather than at a first start.
+step "building the CPU quantized-matmul kernel ($why)"
+"$venv/bin/python" -m gpu_runtime.quant.kernel || step "no quantized-matmul kernel: GGUF weights are dequantized"
 echo "$want" > "$stamp"
 step "ready"

@@ -84,7 +84,8 @@ def _transformers_argmax(model, prompt: list[int], tokens: list[int]) -> list[in
 @pytest.fixture(scope="module")
 def engine_greedy(model_dir):
     """The engine with no model named (the default), greedy on PROMPTS: (the engine, its outputs)."""
-    llm = LLM()  # no model: the default
+    # No model: the default; float32 (quantization "none"), the path transformers' exactness is asserted on.
+    llm = LLM(quantization="none")
     return llm.engine, llm.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
 
 
@@ -103,7 +104,7 @@ def test_without_a_model_the_engine_serves_smollm2_with_transformers_greedy_toke
 def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(model_dir, reference, engine_greedy):
     _, model = reference
     _, outputs = engine_greedy
-    with Daemon("--model", DEFAULT_MODEL_NAME) as daemon:
+    with Daemon("--model", DEFAULT_MODEL_NAME, "--quantization", "none") as daemon:
         for output in outputs[:4]:
             prompt = output.prompt_token_ids
             chunks = daemon.generation.Generate(

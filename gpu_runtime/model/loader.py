@@ -20,6 +20,7 @@ from gpu_runtime.model.registry import Architecture, CausalLM, split_table_key, 
 from gpu_runtime.model.rope import RotaryEmbedding
 from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.model.tp_checkpoint import CheckpointShards, SplitKind
+from gpu_runtime.quant.plan import can_serve_blocks, plan_quantized, swap_modules
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -79,8 +80,14 @@ def load_model(
     checkpoint tensor while it is converted).
     """
     entry = registry.architecture(config.architecture)
+    # A GGUF converted with its blocks kept (quantization "auto"): the modules that can serve them are swapped for
+    # quantized ones; the other kept tensors are dequantized as they are read.
+    quantized = plan_quantized(Path(model_dir), tp is not None) if load_format != "dummy" else None
+    serves_blocks = quantized is not None and bool(quantized.stored) and can_serve_blocks(device, dtype)
     with torch.device("meta"):
         model = entry.model_class(config, backend, dtype, tp).to(dtype)
+        if serves_blocks:
+            swap_modules(model, entry, quantized, config.tie_word_embeddings)
     model.to_empty(device=device)
     _finish_materialising(model)
     if load_format == "dummy":
@@ -89,6 +96,8 @@ def load_model(
     loaded: set[str] = set()
     shards = None if tp is None else CheckpointShards(config, tp, entry.tp_splits)
     for name, tensor in iterate_checkpoint(Path(model_dir), shards):
+        if quantized is not None:
+            tensor = quantized.as_loaded(name, tensor)
         target = _copy_into(entry, model, params, name, tensor)
         if target is not None:
             loaded.add(target)

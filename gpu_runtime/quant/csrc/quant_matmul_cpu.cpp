@@ -1,0 +1,462 @@
+// y = x @ W.T with W kept in its GGUF blocks (one uint8 row of blocks per output feature), on the CPU.
+//
+// Decode batches (few rows of x): x is quantized to 8 bits per 32 values (llama.cpp's q8_1: a float scale and the
+// block's integer sum, which Q4_1's and Q4_K's min terms and Q4_0's -8 offset need), then every weight block is
+// dotted in integers with AVX2 (maddubs: unsigned x signed bytes into 16-bit pairs; madd: pairs into 32-bit
+// lanes) and scaled once per block. The float-activation variant dequantizes each weight block into registers
+// (AVX2 for the 32-value types; a row at a time into L1 for the k-quants and CPUs without AVX2) and multiplies
+// float x: exact up to summation order. Threads split the output rows (at::parallel_for).
+// Larger batches (prefill): `dequantize` gives W as float32 for oneDNN's GEMM (gpu_runtime/quant/linear.py);
+// `matmul_tiled` (a tile of W at a time through at::mm) is kept for the benchmark's comparison.
+//
+// Block layouts are ggml's (ggml-common.h); the dequantizers here match gpu_runtime/gguf/dequantize.py bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKEND_QUANT_AVX2 1
+#endif
+
+namespace {
+
+// ggml's type ids (GGMLQuantizationType).
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;
+constexpr int QK = 32;     // values per block of the simple types, and per block of the quantized activation
+constexpr int QK_K = 256;  // values per k-quant super-block
+
+struct TypeInfo {
+  int block_values;
+  int block_bytes;
+};
+
+TypeInfo type_info(int64_t type) {
+  switch (type) {
+    case Q4_0: return {QK, 18};
+    case Q4_1: return {QK, 20};
+    case Q8_0: return {QK, 34};
+    case Q4_K: return {QK_K, 144};
+    case Q6_K: return {QK_K, 210};
+  }
+  TORCH_CHECK(false, "tokend quant: unsupported ggml type ", type);
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// Q4_K's eight 6-bit scales and mins from its 12 packed bytes (ggml's get_scale_min_k4).
+inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---- dequantization: one row of blocks into `k` floats ----
+
+void dequantize_row(int64_t type, const uint8_t* row, float* out, int64_t k) {
+  const TypeInfo info = type_info(type);
+  const int64_t nb = k / info.block_values;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = row + b * info.block_bytes;
+    float* y = out + b * info.block_values;
+    if (type == Q8_0) {
+      const float d = f16(w);
+      const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
+      for (int i = 0; i < QK; ++i) y[i] = q[i] * d;
+    } else if (type == Q4_0) {
+      const float d = f16(w);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * ((w[2 + i] & 0xF) - 8);
+        y[i + 16] = d * ((w[2 + i] >> 4) - 8);
+      }
+    } else if (type == Q4_1) {
+      const float d = f16(w), m = f16(w + 2);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * (w[4 + i] & 0xF) + m;
+        y[i + 16] = d * (w[4 + i] >> 4) + m;
+      }
+    } else if (type == Q4_K) {
+      const float d = f16(w), dmin = f16(w + 2);
+      const uint8_t* qs = w + 16;
+      for (int r = 0; r < 4; ++r) {
+        int sc0, m0, sc1, m1;
+        k4_scale_min(w + 4, 2 * r, sc0, m0);
+        k4_scale_min(w + 4, 2 * r + 1, sc1, m1);
+        const float d0 = d * sc0, o0 = dmin * m0, d1 = d * sc1, o1 = dmin * m1;
+        for (int i = 0; i < 32; ++i) {
+          y[r * 64 + i] = d0 * (qs[r * 32 + i] & 0xF) - o0;
+          y[r * 64 + 32 + i] = d1 * (qs[r * 32 + i] >> 4) - o1;
+        }
+      }
+    } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+      const uint8_t* ql = w;
+      const uint8_t* qh = w + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+      const float d = f16(w + 208);
+      for (int r = 0; r < 2; ++r) {
+        for (int s = 0; s < 4; ++s) {
+          for (int i = 0; i < 32; ++i) {
+            const int idx = r * 128 + s * 32 + i;
+            const uint8_t low_byte = ql[r * 64 + (s & 1) * 32 + i];
+            const int low = s < 2 ? (low_byte & 0xF) : (low_byte >> 4);
+            const int high = (qh[r * 32 + i] >> (2 * s)) & 3;
+            y[idx] = d * sc[idx / 16] * ((low | (high << 4)) - 32);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- the activation quantized to 8 bits per 32 values (q8_1) ----
+
+struct Q8Rows {
+  int64_t rows, blocks;
+  std::vector<int8_t> q;    // [rows][blocks * 32]
+  std::vector<float> d;     // [rows][blocks]
+  std::vector<float> dsum;  // d x the block's integer sum: [rows][blocks]
+};
+
+Q8Rows quantize_activation(const float* x, int64_t rows, int64_t k) {
+  Q8Rows a{rows, k / QK, std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / QK)),
+           std::vector<float>(rows * (k / QK))};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const float* v = x + r * k + b * QK;
+      float amax = 0.f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = a.q.data() + r * k + b * QK;
+      int sum = 0;
+      for (int i = 0; i < QK; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        sum += q[i];
+      }
+      a.d[r * a.blocks + b] = d;
+      a.dsum[r * a.blocks + b] = d * sum;
+    }
+  }
+  return a;
+}
+
+#ifdef TOKEND_QUANT_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 nibbles of 16 bytes as 32 unsigned bytes: the low nibbles first (values 0..15), then the high ones.
+inline __m256i unpack_nibbles16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// Sum over the 32 byte products of unsigned `u` and signed `s`, as 8 int32 lanes converted to float.
+inline __m256 dot_u8_s8(__m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// R activation rows against one weight row: the weight block is unpacked once for all R rows.
+template <int R>
+void dot_rows_int8(int64_t type, const uint8_t* w, const Q8Rows& a, int64_t r0, int64_t k, float* out,
+                   int64_t out_stride) {
+  __m256 acc[R];
+  float offset[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    offset[r] = 0.f;
+  }
+  const int64_t nb = a.blocks;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q.data() + (r0 + r) * k;
+    xd[r] = a.d.data() + (r0 + r) * nb;
+    xs[r] = a.dsum.data() + (r0 + r) * nb;
+  }
+  if (type == Q8_0) {
+    for (int64_t b = 0; b < nb; ++b, w += 34) {
+      const float d = f16(w);
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+      const __m256i absq = _mm256_sign_epi8(q, q);  // maddubs needs one unsigned side: |w| and sign(w) * x
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), dot_u8_s8(absq, _mm256_sign_epi8(x, q)), acc[r]);
+      }
+    }
+  } else if (type == Q4_0 || type == Q4_1) {
+    // Q4_0 is d * (n - 8): the nibbles stay unsigned and the -8 becomes -8 d * sum(x); Q4_1's min adds m * sum(x).
+    const int stride = type == Q4_0 ? 18 : 20;
+    const int qs = type == Q4_0 ? 2 : 4;
+    for (int64_t b = 0; b < nb; ++b, w += stride) {
+      const float d = f16(w);
+      const float m = type == Q4_0 ? -8.f * d : f16(w + 2);
+      const __m256i n = unpack_nibbles16(w + qs);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), dot_u8_s8(n, x), acc[r]);
+        offset[r] += m * xs[r][b];
+      }
+    }
+  } else if (type == Q4_K) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int64_t sb = 0; sb < nb / 8; ++sb, w += 144) {
+      const float d = f16(w), dmin = f16(w + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        k4_scale_min(w + 4, j, sc, mn);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + (j / 2) * 32));
+        const __m256i n = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask) : _mm256_and_si256(raw, mask);
+        const int64_t b = sb * 8 + j;
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc * xd[r][b]), dot_u8_s8(n, x), acc[r]);
+          offset[r] -= dmin * mn * xs[r][b];
+        }
+      }
+    }
+  } else {  // Q6_K
+    const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    for (int64_t sb = 0; sb < nb / 8; ++sb, w += 210) {
+      const float d = f16(w + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + half * 64));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + half * 64 + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + half * 32));
+        for (int s = 0; s < 4; ++s) {
+          const __m256i lo_src = (s & 1) ? l1 : l0;
+          const __m256i lo = s < 2 ? _mm256_and_si256(lo_src, mask) : _mm256_and_si256(_mm256_srli_epi16(lo_src, 4), mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s)), three);
+          const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63, the value + 32
+          const int idx = half * 8 + s * 2;  // the scale of this 32's first 16 values; idx + 1 the second's
+          const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(scales[idx + 1]), _mm_set1_epi16(scales[idx]));
+          const int64_t b = sb * 8 + half * 4 + s;
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+            // (q - 32) . x per 16-value group, times its scale: in 16 bits, then 32.
+            const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(m32, x));
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, sc16));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), p, acc[r]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + offset[r];
+}
+
+
+// The float-activation path for the 32-value types: each weight block dequantized into four registers (the same
+// float32 values as dequantize_row's), then multiplied into R float rows of x. No rounding of x, so the result is
+// the dequantized float32 matmul's up to summation order.
+inline __m256 bytes8_u8(const __m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 bytes8_s8(const __m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+inline void dequantize_block32(int64_t type, const uint8_t* w, __m256 v[4]) {
+  if (type == Q8_0) {
+    const __m256 d = _mm256_set1_ps(f16(w));
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18));
+    v[0] = _mm256_mul_ps(bytes8_s8(lo), d);
+    v[1] = _mm256_mul_ps(bytes8_s8(_mm_srli_si128(lo, 8)), d);
+    v[2] = _mm256_mul_ps(bytes8_s8(hi), d);
+    v[3] = _mm256_mul_ps(bytes8_s8(_mm_srli_si128(hi, 8)), d);
+    return;
+  }
+  const int qs = type == Q4_0 ? 2 : 4;
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  const __m256 n[4] = {bytes8_u8(lo), bytes8_u8(_mm_srli_si128(lo, 8)), bytes8_u8(hi), bytes8_u8(_mm_srli_si128(hi, 8))};
+  const __m256 d = _mm256_set1_ps(f16(w));
+  if (type == Q4_0) {
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_mul_ps(d, _mm256_sub_ps(n[j], eight));
+  } else {
+    const __m256 m = _mm256_set1_ps(f16(w + 2));
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_add_ps(_mm256_mul_ps(d, n[j]), m);
+  }
+}
+
+template <int R>
+void dot_rows_f32(int64_t type, const uint8_t* w, const float* x, int64_t k, float* out, int64_t out_stride) {
+  const int stride = type_info(type).block_bytes;
+  // At least four independent FMA chains (A a row), so that FMA latency does not bound a few rows, and few enough
+  // accumulators to stay in registers at eight rows.
+  constexpr int A = R >= 8 ? 1 : (R >= 4 ? 2 : 4);
+  __m256 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / QK; ++b, w += stride) {
+    __m256 v[4];
+    dequantize_block32(type, w, v);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k + b * QK;
+      for (int j = 0; j < 4; ++j) acc[r][j % A] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % A]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 sum = acc[r][0];
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][a]);
+    out[r * out_stride] = hsum(sum);
+  }
+}
+
+#endif  // TOKEND_QUANT_AVX2
+
+inline float dot_f32(const float* a, const float* b, int64_t k) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < k; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == k,
+              "tokend quant: x must be a contiguous float32 [rows, ", k, "] tensor");
+  const TypeInfo info = type_info(type);
+  TORCH_CHECK(k % info.block_values == 0, "tokend quant: in_features ", k, " is not a multiple of ",
+              info.block_values);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(1) == k / info.block_values * info.block_bytes,
+              "tokend quant: w must be contiguous uint8 [out_features, ", k / info.block_values * info.block_bytes,
+              "]");
+}
+
+}  // namespace
+
+// W's rows as float32 [N, k].
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "tokend quant: w must be uint8");
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#ifdef TOKEND_QUANT_AVX2
+      if (type == Q8_0 || type == Q4_0 || type == Q4_1) {  // in registers, 32 values a block (prefill's tiles)
+        const int stride = type_info(type).block_bytes;
+        for (int64_t b = 0; b < k / QK; ++b) {
+          __m256 v[4];
+          dequantize_block32(type, src + i * row_bytes + b * stride, v);
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + i * k + b * QK + 8 * j, v[j]);
+        }
+        continue;
+      }
+#endif
+      dequantize_row(type, src + i * row_bytes, dst + i * k, k);
+    }
+  });
+  return out;
+}
+
+// Decode: x [M, k] float32 times W.T, M small. int8_activations: the q8_1 integer path (AVX2), else float.
+at::Tensor quant_matmul_decode(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t k,
+                               bool int8_activations) {
+  check_inputs(x, w, type, k);
+  const int64_t m = x.size(0), n = w.size(0), row_bytes = w.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+#ifdef TOKEND_QUANT_AVX2
+  if (int8_activations) {
+    const Q8Rows a = quantize_activation(xp, m, k);
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint8_t* row = wp + i * row_bytes;
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) dot_rows_int8<4>(type, row, a, r, k, yp + r * n + i, n);
+        switch (m - r) {
+          case 3: dot_rows_int8<3>(type, row, a, r, k, yp + r * n + i, n); break;
+          case 2: dot_rows_int8<2>(type, row, a, r, k, yp + r * n + i, n); break;
+          case 1: dot_rows_int8<1>(type, row, a, r, k, yp + r * n + i, n); break;
+        }
+      }
+    });
+    return out;
+  }
+#endif
+#ifdef TOKEND_QUANT_AVX2
+  if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint8_t* row = wp + i * row_bytes;
+        int64_t r = 0;
+        for (; r + 8 <= m; r += 8) dot_rows_f32<8>(type, row, xp + r * k, k, yp + r * n + i, n);
+        for (; r + 4 <= m; r += 4) dot_rows_f32<4>(type, row, xp + r * k, k, yp + r * n + i, n);
+        switch (m - r) {
+          case 3: dot_rows_f32<3>(type, row, xp + r * k, k, yp + r * n + i, n); break;
+          case 2: dot_rows_f32<2>(type, row, xp + r * k, k, yp + r * n + i, n); break;
+          case 1: dot_rows_f32<1>(type, row, xp + r * k, k, yp + r * n + i, n); break;
+        }
+      }
+    });
+    return out;
+  }
+#endif
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);  // one dequantized weight row, in L1 while every x row meets it
+    for (int64_t i = begin; i < end; ++i) {
+      dequantize_row(type, wp + i * row_bytes, row.data(), k);
+      for (int64_t r = 0; r < m; ++r) yp[r * n + i] = dot_f32(row.data(), xp + r * k, k);
+    }
+  });
+  return out;
+}
+
+// Prefill: x [M, k] times W.T, a tile of W's rows dequantized at a time into float32 for torch's GEMM (the
+// tile stays in cache, and the whole float32 matrix is never held).
+at::Tensor quant_matmul_tiled(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t k, int64_t tile_rows) {
+  check_inputs(x, w, type, k);
+  const int64_t m = x.size(0), n = w.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  tile_rows = std::max<int64_t>(tile_rows, 1);
+  for (int64_t start = 0; start < n; start += tile_rows) {
+    const int64_t rows = std::min(tile_rows, n - start);
+    at::Tensor tile = quant_dequantize(w.narrow(0, start, rows), type, k);
+    out.narrow(1, start, rows).copy_(at::mm(x, tile.t()));
+  }
+  return out;
+}
+
+TORCH_LIBRARY(tokend_quant, m) {
+  m.def("dequantize(Tensor w, int type, int k) -> Tensor");
+  m.def("matmul_decode(Tensor x, Tensor w, int type, int k, bool int8_activations) -> Tensor");
+  m.def("matmul_tiled(Tensor x, Tensor w, int type, int k, int tile_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokend_quant, CPU, m) {
+  m.impl("dequantize", &quant_dequantize);
+  m.impl("matmul_decode", &quant_matmul_decode);
+  m.impl("matmul_tiled", &quant_matmul_tiled);
+}

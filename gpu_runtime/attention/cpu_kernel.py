@@ -41,7 +41,7 @@ def load_cpu_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        name = f"tokend_paged_decode_{_build_fingerprint()}"
+        name = f"tokend_paged_decode_{build_fingerprint()}"
         directory = kernel_directory() / name
         directory.mkdir(parents=True, exist_ok=True)
         load_inline(
@@ -63,15 +63,16 @@ def load_cpu_kernel():
         return None
 
 
-def _build_fingerprint() -> str:
-    """What the built library depends on besides its source: the CPU's instruction set and torch's version."""
+def build_fingerprint(extra: str = "") -> str:
+    """What a built library depends on besides its source: the CPU's instruction set and torch's version (and
+    `extra`, for a kernel that keys its source in too)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = f"{platform.machine()}|{flags}|{torch.__version__}"
+    key = f"{platform.machine()}|{flags}|{torch.__version__}{'|' + extra if extra else ''}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -9,8 +9,6 @@ dequantized float32 weights instead and says why, once (gpu_runtime/quant/plan.p
 from __future__ import annotations
 
 import functools
-import hashlib
-import platform
 import sys
 from pathlib import Path
 
@@ -29,10 +27,10 @@ def load_quant_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        from gpu_runtime.attention.cpu_kernel import kernel_directory
+        from gpu_runtime.attention.cpu_kernel import build_fingerprint, kernel_directory
 
         source = _SOURCE.read_text()
-        name = f"tokend_quant_matmul_{_build_fingerprint(source)}"
+        name = f"tokend_quant_matmul_{build_fingerprint(source)}"
         directory = kernel_directory() / name
         directory.mkdir(parents=True, exist_ok=True)
         load_inline(
@@ -52,18 +50,6 @@ def load_quant_kernel():
         else:
             print(f"tokend: no CPU quantized-matmul kernel ({reason}); serving dequantized weights", file=sys.stderr)
         return None
-
-
-def _build_fingerprint(source: str) -> str:
-    """What the built library depends on: its source, the CPU's instruction set and torch's version."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    key = f"{platform.machine()}|{flags}|{torch.__version__}|{source}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 if __name__ == "__main__":

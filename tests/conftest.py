@@ -18,6 +18,9 @@ from pathlib import Path
 # (daemons inherit it), unless TOKEND_TEST_GPU=1: then the marked GPU tests run (TOKEND_TEST_GPU=1 pytest -m gpu).
 if os.environ.get("TOKEND_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Without a GPU the Triton kernels run only under Triton's interpreter, which must be on before triton is
+    # first imported in a process (a worker runs many files): set for the whole run, not per test file.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -49,7 +49,7 @@ def test_help_lists_every_engine_option_with_its_default():
         assert f" {flag} " in text or f" {flag}, " in text, flag
         after = text[text.index(f" {flag}") + 1 :]
         assert after.split("(default: ", 1)[1].startswith(_shown(field.default) + ")"), flag
-    choices = ("{continuous,static}", "{auto,batched,cpu_paged,torch}")
+    choices = ("{continuous,static}", "{auto,batched,cpu_paged,torch,triton}")
     for flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill", *choices):
         assert flag in text
     assert "--debug-checks" not in text  # TOKEND_DEBUG's, not an operator's

@@ -93,6 +93,8 @@ class Autoscaler:
         """One pool's decision (frontend.autoscale_decision): the routed workers (mixed, or decode beside a prefill
         pool) on the frontend's queue, the forecast and the peak; the prefill workers on their own projected TTFT
         (requests reach them with no queue of their own), and on the forecast and the peak of the long prompts."""
+        if any(s.load is None for s in self._link.ready_schedulers(model, role == Role.PREFILL)):
+            return  # a ready worker yet to report its load would count as missing, and ask for one more in its place
         state = self._states.setdefault((model, role), AutoscaleState())
         verdict = decide_pool(self._view(model, role, workers, arrivals, now), role == Role.PREFILL,
                               self._min_prefill_prompt, self._ttft_target_s, self._policy, state)  # fmt: skip

@@ -37,9 +37,11 @@ def _request(index: int, max_tokens: int, priority=pb.PRIORITY_UNSPECIFIED) -> p
     )
 
 
-async def _stream(stub, request: pb.GenerateRequest, tenant: str) -> dict:
-    """When the first token arrived, how many tokens came, and the error code if it failed."""
-    seen = {"request_id": request.request_id, "tenant": tenant, "first_at": None, "tokens": 0, "code": None}
+async def _stream(stub, request: pb.GenerateRequest, tenant: str, seen: dict | None = None) -> dict:
+    """When the first token arrived, how many tokens came, and the error code if it failed (into `seen`, where
+    the caller watches the stream as it goes)."""
+    seen = {} if seen is None else seen
+    seen.update({"request_id": request.request_id, "tenant": tenant, "first_at": None, "tokens": 0, "code": None})
     try:
         async for chunk in stub.Generate(request, metadata=_as(tenant), timeout=300):
             if seen["first_at"] is None and chunk.token_ids:
@@ -84,17 +86,23 @@ def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
     async def scenario():
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            batch = [asyncio.create_task(_stream(stub, _request(i, 300), "jobs")) for i in range(8)]
+            seen = [{} for _ in range(8)]
+            batch = [asyncio.create_task(_stream(stub, _request(i, 300), "jobs", seen[i])) for i in range(8)]
             # 4 run (the scheduler's depth, as its load report says), 4 wait in the frontend's queue.
             await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 4, 30)
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
+            # The running four have streamed a token: none of them is still on its way in when the chats come.
+            async with asyncio.timeout(60):
+                while sum(s.get("first_at") is not None for s in seen) < 4:
+                    await asyncio.sleep(0.01)
+            queued = [s["request_id"] for s in seen if s["first_at"] is None]
             chats = [asyncio.create_task(_stream(stub, _request(i, 16), "chat")) for i in range(4)]
-            return await asyncio.gather(*batch), await asyncio.gather(*chats)
+            return await asyncio.gather(*batch), await asyncio.gather(*chats), queued
 
-    batch, chats = asyncio.run(scenario())
+    batch, chats, queued = asyncio.run(scenario())
     assert all(s["code"] is None for s in batch + chats), [s.get("details") for s in batch + chats]
-    started = sorted(batch, key=lambda s: s["first_at"])
-    queued_batch = started[4:]  # the four that were still waiting when the chats arrived
+    queued_batch = [s for s in batch if s["request_id"] in queued]  # still waiting when the chats arrived
+    assert len(queued_batch) == 4
     assert max(c["first_at"] for c in chats) < min(b["first_at"] for b in queued_batch)
     assert daemon.metric("tokend:num_preemptions_total") >= 1  # chats took running batch requests' slots
 

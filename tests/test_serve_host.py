@@ -31,7 +31,7 @@ def _refused(host: str, port: int) -> bool:
 
 def test_every_listener_binds_the_given_host_and_only_it():
     with Daemon(host=HOST) as daemon:
-        assert daemon.generate("over the host", max_tokens=3)[-1].finish_reason == "length"
+        assert daemon.generate("over the host", max_tokens=3, ignore_eos=True)[-1].finish_reason == "length"
         with urllib.request.urlopen(f"http://{HOST}:{daemon.http_port}/health", timeout=10) as reply:
             assert reply.status == 200
         assert daemon.metric("tokend:requests_in_flight") == 0  # /metrics on the host too

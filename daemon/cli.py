@@ -109,6 +109,9 @@ def _add_generate_command(commands) -> None:
     generate.add_argument("--seed", type=int, default=None, help="a seed makes sampling repeat")
     generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     generate.add_argument("--timeout", type=float, default=300.0, help="seconds before the call is abandoned")
+    generate.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to wait for a starting daemon's model to serve; 0: none"
+    )
     generate.add_argument("--offline", action="store_true", help="run the model in this process, no daemon")
     generate.add_argument("--device", default="auto", help="with --offline: cpu, cuda, cuda:N")
     generate.add_argument("--dtype", default="auto", help="with --offline: float32, bfloat16, float16")

@@ -12,12 +12,18 @@ from daemon.api_key import API_KEY_ENV, api_key_of
 from tokend.v1 import tokend_pb2 as pb
 from tokend.v1 import tokend_pb2_grpc as pb_grpc
 
+# While a daemon starts, ListModels is asked this often, each answer awaited at most this long.
+_POLL_INTERVAL_S, _POLL_TIMEOUT_S = 0.5, 2.0
+
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Streams each prompt's text to stdout as it decodes, then its usage and request id to stderr."""
+    """Streams each prompt's text to stdout as it decodes, then its usage and request id to stderr; first waits
+    (up to --wait) for the model to serve, so that a command typed while the daemon starts answers once it can."""
     metadata = auth_metadata(api_key_of(args))
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
+        if not wait_until_served(stub, args.model or "", args.wait, metadata, args.address):
+            return 1
         for prompt in args.prompts:
             request = pb.GenerateRequest(
                 model=args.model or "",
@@ -55,6 +61,44 @@ def run_generate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def wait_until_served(stub, model: str, wait_s: float, metadata, address: str) -> bool:
+    """Polls ListModels until `model` (or the default model, with none named) is ready; False, having said why,
+    if it is not within `wait_s`. Anything but a daemon still starting (an unknown model, a refused key) ends the
+    wait at once: the request then reports it."""
+    if wait_s <= 0:
+        return True
+    started = time.monotonic()
+    terminal = sys.stderr.isatty()  # a progress line for a person at a terminal; scripts get only the outcome
+    shown = False
+    what = f"model {model!r}" if model else "the default model"
+    status = f"no daemon listening at {address}"
+    while True:
+        try:
+            models = stub.ListModels(pb.ListModelsRequest(), timeout=_POLL_TIMEOUT_S, metadata=metadata).models
+        except grpc.RpcError as error:
+            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                break
+        else:
+            named = [m for m in models if not model or model == m.name or model in m.aliases][:1]
+            if not named or named[0].ready:
+                break
+            status = f"{what} is loading"
+        elapsed = time.monotonic() - started
+        if elapsed >= wait_s:
+            if shown:
+                sys.stderr.write("\n")
+            print(f"tokend: {status} after {wait_s:g} s (--wait)", file=sys.stderr)
+            return False
+        if terminal:
+            shown = True
+            sys.stderr.write(f"\rtokend: waiting for {what} to serve: {status} ({elapsed:.0f} s of {wait_s:g})")
+            sys.stderr.flush()
+        time.sleep(min(_POLL_INTERVAL_S, wait_s - elapsed))
+    if shown:
+        sys.stderr.write("\n")
+    return True
 
 
 def auth_metadata(api_key: str) -> tuple[tuple[str, str], ...]:

@@ -121,6 +121,27 @@ def test_generate_sends_the_api_key_from_the_flag_the_environment_or_a_file(daem
         assert row["tenant"] == "cli"
 
 
+def test_generate_typed_while_the_daemon_starts_answers_once_the_model_serves():
+    starting = Daemon()  # its ports chosen, nothing started yet
+    command = [sys.executable, "-m", "daemon.cli", "generate", "--address", starting.address, "--max-tokens", "4",
+               "--wait", "300", "Hello"]  # fmt: skip
+    generate = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        with starting:  # the command is already waiting, first for the port, then for the model
+            _, stderr = generate.communicate(timeout=300)
+    finally:
+        generate.kill()
+    assert generate.returncode == 0, stderr
+    assert "4 completion tokens" in stderr
+
+
+def test_generate_against_no_daemon_gives_up_after_its_wait_naming_the_flag():
+    result = _tokend("generate", "--address", f"127.0.0.1:{free_port()}", "--wait", "1", "Hello")
+    assert result.returncode == 1
+    assert "no daemon listening at" in result.stderr and "after 1 s (--wait)" in result.stderr
+
+
 def test_generate_chat_sends_one_user_message(daemon):
     result = _generate(daemon, "What is the capital of France?", "--chat", "--api-key", API_KEY)
     assert result.returncode == 0, result.stderr

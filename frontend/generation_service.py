@@ -38,7 +38,7 @@ from frontend.validation import (
     prepare,
     prompt_input,
 )
-from gpu_runtime.ipc.messages import AddRequest
+from gpu_runtime.ipc.messages import AddRequest, SchedulerReady
 from gpu_runtime.ipc.structured_output import StructuredOutput
 from gpu_runtime.tokenizer import TooManyTokens
 from tokend.v1 import tokend_pb2 as pb
@@ -105,14 +105,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _session(self, request: pb.GenerateRequest, tenant: TenantSpec | None, arrived: float) -> RequestSession:
         """The request validated and tokenized, as a session not yet admitted (its id now counts as in flight)."""
-        model_name = self._models.resolve(request.model)
-        if tenant is not None and not tenant.may_use(model_name):
-            raise RequestError(
-                grpc.StatusCode.PERMISSION_DENIED, f"model: tenant {tenant.name!r} may not use {model_name!r}"
-            )
-        model = self._models.describe(model_name)  # limits and files; admission picks the scheduler later
-        if model is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
+        model_name, model = self._model_for(request.model, tenant)
         check_envelope(request)
         tokenizer = self._models.tokenizer(model)
         calls = None
@@ -141,6 +134,42 @@ class GenerationService(pb_grpc.GenerationServicer):
         session = self._in_flight[key] = RequestSession(self.sessions, facts,
                                                         on_released=lambda: self._in_flight.pop(key, None))  # fmt: skip
         return session
+
+    def _model_for(self, requested: str, tenant: TenantSpec | None) -> tuple[str, SchedulerReady]:
+        """The served model a request names, if the tenant may use it: its name, and its limits and files
+        (admission picks the scheduler later)."""
+        model_name = self._models.resolve(requested)
+        if tenant is not None and not tenant.may_use(model_name):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED, f"model: tenant {tenant.name!r} may not use {model_name!r}"
+            )
+        model = self._models.describe(model_name)
+        if model is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
+        return model_name, model
+
+    async def Tokenize(self, request: pb.GenerateRequest, context) -> pb.TokenizeResponse:
+        try:
+            model_name, model = self._model_for(request.model, calling_tenant())
+            check_envelope(request)
+            token_ids = await self._prompt_token_ids(request, model, self._models.tokenizer(model))
+        except RequestError as error:
+            await context.abort(error.code, error.message, error.trailing_metadata)
+        return pb.TokenizeResponse(model=model_name, token_ids=token_ids, max_model_len=model.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        try:
+            model_name, model = self._model_for(request.model, calling_tenant())
+            if len(request.token_ids) > model.max_model_len:
+                raise invalid(f"token_ids: {len(request.token_ids)} ids, more than the context of "
+                              f"{model.max_model_len}")  # fmt: skip
+            for index, token_id in enumerate(request.token_ids):
+                if token_id >= model.vocab_size:
+                    raise invalid(f"token_ids[{index}]: {token_id} is not below the vocabulary size {model.vocab_size}")
+        except RequestError as error:
+            await context.abort(error.code, error.message, error.trailing_metadata)
+        text = self._models.tokenizer(model).decode(list(request.token_ids), skip_special_tokens=False)
+        return pb.DetokenizeResponse(model=model_name, text=text)
 
     async def _tool_plan(self, chat: pb.ChatMessages, prepared: PreparedRequest, model, tenant):
         """The request with its tool_choice enforced (a required or named call), and the reader of its calls; each

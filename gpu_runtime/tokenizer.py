@@ -67,5 +67,5 @@ class Tokenizer:
         """One token on its own as text, special tokens included (for logprobs)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -118,7 +118,8 @@ def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
             extra_batch = await _stream(stub, _request(200, 10), "jobs")  # the queue is full: shed at once
             # Two chats go straight in, beyond the batch's depth; the third must wait, so a batch one makes room.
-            chats = [asyncio.create_task(_stream(stub, _request(201 + i, 30), "chat")) for i in range(2)]
+            # (Long enough to hold their slots until the third arrives, however busy the machine.)
+            chats = [asyncio.create_task(_stream(stub, _request(201 + i, 200), "chat")) for i in range(2)]
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_preemptions_total") >= 2, 30)
             chats.append(asyncio.create_task(_stream(stub, _request(203, 10), "chat")))
             return await asyncio.gather(*batch), extra_batch, await asyncio.gather(*chats)

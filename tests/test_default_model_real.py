@@ -13,6 +13,7 @@ import copy
 import random
 import re
 
+import httpx
 import pytest
 import torch
 from daemon_harness import Daemon
@@ -101,8 +102,9 @@ def test_without_a_model_the_engine_serves_smollm2_with_transformers_greedy_toke
         assert _transformers_argmax(model, output.prompt_token_ids, tokens) == tokens, output.prompt
 
 
-def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(model_dir, reference, engine_greedy):
-    _, model = reference
+def test_the_daemon_streams_transformers_greedy_tokens_answers_the_chat_and_tokenizes(model_dir, reference,
+                                                                                      engine_greedy):  # fmt: skip
+    tokenizer, model = reference
     _, outputs = engine_greedy
     with Daemon("--model", DEFAULT_MODEL_NAME, "--quantization", "none") as daemon:
         for output in outputs[:4]:
@@ -120,8 +122,27 @@ def test_the_daemon_streams_transformers_greedy_tokens_and_answers_the_chat(mode
         request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=32, temperature=0))
         request.chat.messages.add(role="user", content="What is the capital of France?")
         chunks = list(daemon.generation.Generate(request, timeout=120))
+        _check_token_routes(daemon.http_url, tokenizer)
     answer = "".join(chunk.text for chunk in chunks)
     assert "Paris" in answer and chunks[-1].finish_reason == "stop" and chunks[-1].model == DEFAULT_MODEL_NAME
+
+
+def _check_token_routes(url: str, tokenizer) -> None:
+    """/tokenize gives transformers' ids for prompts and rendered chats, /detokenize its text; bad ids are a 400."""
+    for prompt in PROMPTS:
+        reply = httpx.post(f"{url}/tokenize", json={"prompt": prompt}, timeout=30).json()
+        assert reply["tokens"] == tokenizer(prompt, add_special_tokens=True).input_ids, prompt
+        assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] > 0
+        text = httpx.post(f"{url}/detokenize", json={"tokens": reply["tokens"]}, timeout=30).json()["prompt"]
+        assert text == tokenizer.decode(reply["tokens"]), prompt
+    for messages in CHATS:
+        reply = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": True}, timeout=30)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert reply.json()["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    out_of_range = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**9]}, timeout=30)
+    assert out_of_range.status_code == 400 and out_of_range.json()["error"]["param"] == "tokens[1]"
+    neither = httpx.post(f"{url}/tokenize", json={"model": ""}, timeout=30)
+    assert neither.status_code == 400 and "prompt or messages" in neither.json()["error"]["message"]
 
 
 def _varied_texts(count: int) -> list[str]:

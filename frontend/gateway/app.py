@@ -20,6 +20,7 @@ from frontend.gateway.origin_guard import OriginGuard
 from frontend.gateway.playground_page import STATIC_DIR, PlaygroundAssets
 from frontend.gateway.routes import GatewayRoutes
 from frontend.gateway.spec import GatewaySpec
+from frontend.gateway.token_routes import detokenize_endpoint, tokenize_endpoint
 
 
 def build_app(spec: GatewaySpec) -> Starlette:
@@ -63,6 +64,8 @@ def build_app(spec: GatewaySpec) -> Starlette:
             Route("/health", counted("/health", routes.health), methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/v1/load", counted("/v1/load", load_endpoint(routes)), methods=["GET"]),
+            Route("/tokenize", counted("/tokenize", tokenize_endpoint(routes)), methods=["POST"]),
+            Route("/detokenize", counted("/detokenize", detokenize_endpoint(routes)), methods=["POST"]),
             Route("/", routes.playground, methods=["GET"]),
             Mount("/static", PlaygroundAssets(directory=STATIC_DIR)),
         ],

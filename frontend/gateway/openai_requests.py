@@ -190,7 +190,7 @@ def chat_to_grpc(request: ChatCompletionRequest, max_n: int, request_id: str) ->
     sampling = _sampling(request, max_tokens, logprobs)
     if max_tokens is None:
         sampling.fill_context = True  # OpenAI's chat default: up to the end of the context
-    messages = [_message(m, index) for index, m in enumerate(request.messages)]
+    messages = [chat_message(m, index) for index, m in enumerate(request.messages)]
     chat = pb.ChatMessages(
         messages=messages,
         add_generation_prompt=request.add_generation_prompt,  # None leaves it unset: the template's default
@@ -295,7 +295,7 @@ def _tool_choice(request: ChatCompletionRequest) -> str:
     return choice or ""
 
 
-def _message(message: ChatMessage, index: int) -> pb.ChatMessage:
+def chat_message(message: ChatMessage, index: int) -> pb.ChatMessage:
     return pb.ChatMessage(
         role=message.role,
         content=_text(message, index),

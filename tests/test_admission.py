@@ -37,15 +37,16 @@ def _request(index: int, max_tokens: int, priority=pb.PRIORITY_UNSPECIFIED) -> p
     )
 
 
-async def _stream(stub, request: pb.GenerateRequest, tenant: str, seen: dict | None = None) -> dict:
-    """When the first token arrived, how many tokens came, and the error code if it failed (into `seen`, where
-    the caller watches the stream as it goes)."""
-    seen = {} if seen is None else seen
-    seen.update({"request_id": request.request_id, "tenant": tenant, "first_at": None, "tokens": 0, "code": None})
+async def _stream(stub, request: pb.GenerateRequest, tenant: str, first_token: asyncio.Event | None = None) -> dict:
+    """When the first token arrived (`first_token` is set then), how many tokens came, and the error code if it
+    failed."""
+    seen = {"request_id": request.request_id, "tenant": tenant, "first_at": None, "tokens": 0, "code": None}
     try:
         async for chunk in stub.Generate(request, metadata=_as(tenant), timeout=300):
             if seen["first_at"] is None and chunk.token_ids:
                 seen["first_at"] = time.monotonic()
+                if first_token is not None:
+                    first_token.set()
             seen["tokens"] += len(chunk.token_ids)
         seen["done_at"] = time.monotonic()
     except grpc.aio.AioRpcError as error:
@@ -86,16 +87,20 @@ def test_interactive_requests_start_ahead_of_every_queued_batch_request(daemon):
     async def scenario():
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            seen = [{} for _ in range(8)]
-            batch = [asyncio.create_task(_stream(stub, _request(i, 300), "jobs", seen[i])) for i in range(8)]
+            requests = [_request(i, 300) for i in range(8)]
+            streaming = [asyncio.Event() for _ in requests]
+            batch = [asyncio.create_task(_stream(stub, r, "jobs", e)) for r, e in zip(requests, streaming, strict=True)]
             # 4 run (the scheduler's depth, as its load report says), 4 wait in the frontend's queue.
             await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 4, 30)
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
             # The running four have streamed a token: none of them is still on its way in when the chats come.
+            waits = {asyncio.ensure_future(event.wait()) for event in streaming}
             async with asyncio.timeout(60):
-                while sum(s.get("first_at") is not None for s in seen) < 4:
-                    await asyncio.sleep(0.01)
-            queued = [s["request_id"] for s in seen if s["first_at"] is None]
+                while sum(event.is_set() for event in streaming) < 4:
+                    _, waits = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            queued = [r.request_id for r, event in zip(requests, streaming, strict=True) if not event.is_set()]
             chats = [asyncio.create_task(_stream(stub, _request(i, 16), "chat")) for i in range(4)]
             return await asyncio.gather(*batch), await asyncio.gather(*chats), queued
 

@@ -20,6 +20,7 @@ from torch import nn
 from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.embedding import unfilled_embedding
 from gpu_runtime.model.llama import MLP, Attention
 from gpu_runtime.model.qwen3 import QKNormAttention
 from gpu_runtime.model.rope import RotaryEmbedding
@@ -104,7 +105,7 @@ class GemmaForCausalLM(nn.Module):
             self.local_rotary = RotaryEmbedding(config.local_rope, config.head_dim, config.max_model_len, dtype)
         vocab, hidden = config.vocab_size, config.hidden_size
         if tp is None:
-            self.embed_tokens = nn.Embedding(vocab, hidden)
+            self.embed_tokens = unfilled_embedding(vocab, hidden)
         else:
             self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         self.embed_scale = hidden**0.5  # the multiplier, rounded to the model's dtype in forward as transformers does

@@ -11,6 +11,7 @@ from torch import nn
 from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions
 from gpu_runtime.attention.metadata import AttentionMetadata
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.embedding import unfilled_embedding
 from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
 from gpu_runtime.model.tensor_parallel import TensorParallel, VocabParallelEmbedding, holds_row_bias, shard_config
 
@@ -134,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         vocab, hidden = config.vocab_size, config.hidden_size
         if tp is None:
-            self.embed_tokens = nn.Embedding(vocab, hidden)
+            self.embed_tokens = unfilled_embedding(vocab, hidden)
         else:
             self.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
         self.layers = nn.ModuleList(self.make_layer(config, backend, tp, index) for index in range(config.num_layers))

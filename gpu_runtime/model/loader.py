@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model import registry
@@ -88,7 +89,7 @@ def load_model(
         model = entry.model_class(config, backend, dtype, tp).to(dtype)
         if serves_blocks:
             swap_modules(model, entry, quantized, config.tie_word_embeddings)
-    model.to_empty(device=device)
+    _allocate_on(model, device)
     _finish_materialising(model)
     if load_format == "dummy":
         return _fill_at_random(model).eval()
@@ -109,8 +110,20 @@ def load_model(
     return model.eval()
 
 
+def _allocate_on(model: nn.Module, device: torch.device) -> None:
+    """model.to_empty(device=device), each meta tensor replaced by uninitialised memory of its shape and dtype,
+    without to_empty's torch.empty_like: on a meta tensor that runs torch's Python reference of it, whose first
+    call imports sympy, a third of a second of every scheduler's start."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
 def _finish_materialising(model: CausalLM) -> None:
-    """What `to_empty` leaves undone: it gives each module its own tensor, untying lm_head from the embeddings,
+    """What _allocate_on leaves undone: it gives each module its own tensor, untying lm_head from the embeddings,
     and the rotary tables (not in any checkpoint) are only empty memory."""
     model.tie_weights()
     for module in model.modules():

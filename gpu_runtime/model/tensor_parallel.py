@@ -124,7 +124,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
         self.first_id, rows = tp.vocab_shard(vocab_size)
-        super().__init__(rows, hidden_size)
+        # Its weight unfilled, as unfilled_embedding's (the loader fills it): see there for why.
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -10,20 +10,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
+# The gguf package is imported where a GGUF's blocks are met, not here: every scheduler's loader imports this
+# module, and gguf (with the mistral-common it then loads, where installed) takes up to half a second.
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType, ReaderTensor
 
 QUANTIZED_WEIGHTS_FILE = "quantized_weights.json"
-# The block types the CPU kernel (csrc/quant_matmul_cpu.cpp) multiplies in place.
-SERVED_TYPES = frozenset(
-    {
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
+# The block types the CPU kernel (csrc/quant_matmul_cpu.cpp) multiplies in place, by ggml's names.
+SERVED_TYPE_NAMES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +32,8 @@ class BlockFormat:
 
     @classmethod
     def of(cls, type_name: str) -> BlockFormat:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         tensor_type = GGMLQuantizationType[type_name]
         values, size = GGML_QUANT_SIZES[tensor_type]
         return cls(tensor_type, values, size)
@@ -53,8 +51,10 @@ def is_matrix_weight(name: str) -> bool:
 
 def keeps_blocks(name: str, tensor: ReaderTensor) -> bool:
     """Whether the conversion keeps this tensor (transformers name `name`) in its GGUF blocks."""
-    tensor_type = GGMLQuantizationType(tensor.tensor_type)
-    return tensor_type in SERVED_TYPES and len(tensor.shape) == 2 and is_matrix_weight(name)
+    from gguf import GGMLQuantizationType
+
+    served = GGMLQuantizationType(tensor.tensor_type).name in SERVED_TYPE_NAMES
+    return served and len(tensor.shape) == 2 and is_matrix_weight(name)
 
 
 def read_quantized_weights(model_dir: Path) -> dict[str, BlockFormat]:

@@ -19,7 +19,6 @@ import structlog
 import torch
 from torch import nn
 
-from gpu_runtime.gguf.dequantize import DEQUANTIZERS
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.quant.blocks import BlockFormat, read_quantized_weights
 from gpu_runtime.quant.kernel import load_quant_kernel
@@ -38,6 +37,9 @@ class QuantizedPlan:
         block = self.stored.get(name)
         if block is None or name in self.served:
             return tensor
+        # Here, not at the top: the gguf package it imports costs a third of a second of every scheduler's start.
+        from gpu_runtime.gguf.dequantize import DEQUANTIZERS
+
         in_features = tensor.shape[1] // block.block_bytes * block.block_values
         values = DEQUANTIZERS[block.type](tensor.reshape(-1, block.block_bytes))
         return values.reshape(tensor.shape[0], in_features)

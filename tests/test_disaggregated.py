@@ -191,12 +191,13 @@ def _settled(daemon: Daemon, baseline: dict[str, int]) -> bool:
 
 
 def test_cancelled_requests_leave_no_page_and_no_lease_on_either_side(disaggregated):
-    """1,000 requests, a third cancelled at random points: used pages on both workers return to their baseline
-    and no lease is left, within the lease time."""
+    """400 requests, a third cancelled at random points (about 130: before the first token, in the prefill, in the
+    handover, while decoding): used pages on both workers return to their baseline and no lease is left, within
+    the lease time. Every point of the request session's life is aborted in process: test_request_session*.py."""
     baseline = {"prefill": 0, "decode": 0}  # idle workers hold no page: cached pages are free ones
     disaggregated.wait_for(lambda: _settled(disaggregated, baseline), timeout=30)  # the earlier tests' last leases
-    cancelled = _cancel_some(disaggregated, _prompts(1000, seed=9, longest=400), seed=10)
-    assert 250 < cancelled < 420
+    cancelled = _cancel_some(disaggregated, _prompts(400, seed=9, longest=400), seed=10)
+    assert 90 < cancelled < 180
     try:
         disaggregated.wait_for(lambda: _settled(disaggregated, baseline), timeout=30)
     except AssertionError:

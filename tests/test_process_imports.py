@@ -47,3 +47,23 @@ def test_process_packages_do_not_import_the_daemon(package):
                 names = [alias.name for alias in node.names]
             offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "daemon" or n.startswith("daemon.")]
     assert offenders == []
+
+
+_START_ENGINE = """
+import sys
+from gpu_runtime.engine import LLMEngine
+from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
+LLMEngine(EngineConfig(model=TINY_RANDOM_MODEL_NAME, device="cpu"))
+print(sorted(m for m in ("torch._dynamo", "sympy", "gguf") if m in sys.modules))
+"""
+
+
+def test_a_scheduler_builds_its_engine_without_the_slow_optional_imports():
+    """Every scheduler start (every daemon's, rollout's and autoscaled worker's) builds an engine: building it must
+    not pull in torch._dynamo or sympy (1.5 s together, which torch's Python references of normal_ and empty_like
+    on the meta device once did) or, for a checkpoint without GGUF blocks, the gguf package (up to 0.5 s)."""
+    command = [sys.executable, "-c", _START_ENGINE]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.daemon
 # The tiny model's tokenizer is byte-level: one token per character, so these bound the length of every output.
 # The leading '#' is the prefill worker's token: a decode worker that did not replay it would write a second one.
 CODE = r"#[a-z]{3,6}-[0-9]{2,4}"
-WORDS = r"(?:[a-z] ){1800}[a-z]"  # 3,601 tokens: outlasts a new worker's start
+WORDS = r"(?:[a-z] ){1000}[a-z]"  # 2,001 tokens: outlasts a new worker's start (2-3 s) several times over
 
 
 def _constrained(prompt: list[int], regex: str, max_tokens: int, temperature: float = 1.0) -> pb.GenerateRequest:
@@ -66,7 +66,7 @@ def test_constrained_streams_migrated_by_a_rollout_still_match(tmp_path):
 
         def stream(index: int) -> None:
             chunks = []
-            for chunk in daemon.generation.Generate(_constrained([index + 3] * 8, WORDS, 3700, 0.8), timeout=600):
+            for chunk in daemon.generation.Generate(_constrained([index + 3] * 8, WORDS, 2100, 0.8), timeout=600):
                 if not chunks:
                     started.release()  # admitted and streaming: the rollout may begin
                 chunks.append(chunk)

@@ -73,6 +73,11 @@ class RequestStreams:
                 stream.finished = True
         return unread, unknown_finals
 
+    def awaits_deltas(self, worker: SchedulerState) -> bool:
+        """Whether some stream on `worker` still expects a delta from it."""
+        streams = (self._streams.get(request_id) for request_id in worker.requests)
+        return any(stream is not None and not stream.finished for stream in streams)
+
     def lose(self, worker: SchedulerState, reason: str) -> None:
         """The worker is gone: every stream on it that still expects a delta gets SchedulerLost."""
         for request_id in list(worker.requests):

@@ -58,6 +58,9 @@ _NONCE_BYTES = 16
 # long: a scheduler is only called unresponsive after a silence longer than the liveness timeout, and longer
 # than this many of its recent longest steps and of its mean ones (a prefill step may take far longer than the
 # decode steps that make up most of the mean).
+# A drained worker sends its last deltas, then exits; they come on the outputs socket, which may be read after this
+# side's disconnect is seen. Its streams get this long to be read before they count as lost.
+_LAST_OUTPUTS_GRACE_S = 2.0
 _LONGEST_STEPS_OF_SLACK = 2
 _MEAN_STEPS_OF_SLACK = 4
 
@@ -229,13 +232,23 @@ class SchedulerLink:
             raise
         socket.disable_monitor()
         monitor.close(linger=0)
-        if state.worker_state == WorkerState.DRAINING and not state.requests:
+        if state.worker_state == WorkerState.DRAINING:
+            await self._read_last_outputs(state)
+        if state.worker_state == WorkerState.DRAINING and not self.streams.awaits_deltas(state):
             self._log.info("worker_exited", worker=state.address.worker_id, detail="drained")
         else:
             self._log.warning("scheduler_lost", worker=state.address.worker_id)
         self._lose(state, f"the scheduler of model {state.address.model_name!r} stopped; retry")
         socket.close(linger=0)  # drops whatever was queued for the dead process
         self._connect(state)
+
+    async def _read_last_outputs(self, state: SchedulerState) -> None:
+        """Waits, a moment at most, for the final deltas of a draining worker that exited to be read: without
+        this, a stream whose last tokens were still queued would be lost (and moved to another worker) after its
+        worker had finished it."""
+        deadline = time.monotonic() + _LAST_OUTPUTS_GRACE_S
+        while self.streams.awaits_deltas(state) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _lose(self, state: SchedulerState, reason: str) -> None:
         was_ready = state.is_ready

@@ -45,6 +45,8 @@ class GatewayRoutes:
             "tokend:http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
         self.open_streams = Gauge("tokend:http_streams_open", "SSE streams open", registry=self.registry)
+        # Each model's `created`: when this gateway first listed it, so that listing and retrieving agree.
+        self._first_listed: dict[str, int] = {}
         self.metrics_endpoint = MetricsEndpoint(
             self.registry, spec.metrics_socket, spec.metrics_token_sha256, spec.metrics_require_token
         )
@@ -111,8 +113,7 @@ class GatewayRoutes:
     # -- the rest -----------------------------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        created = int(time.time())
-        data = [_model_object(m.name, m, created) for m in await self._served_models(request)]
+        data = [_model_object(m.name, m, self._created(m.name)) for m in await self._served_models(request)]
         return LineSafeJSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -122,7 +123,10 @@ class GatewayRoutes:
         found = next((m for m in served if wanted == m.name or wanted in m.aliases), None)
         if found is None:
             raise OpenAIError(404, f"model: {wanted!r} is not served here", "not_found_error", "model")
-        return LineSafeJSONResponse(_model_object(wanted, found, int(time.time())))
+        return LineSafeJSONResponse(_model_object(wanted, found, self._created(found.name)))
+
+    def _created(self, model: str) -> int:
+        return self._first_listed.setdefault(model, int(time.time()))
 
     async def _served_models(self, request: Request) -> list[pb.ModelInfo]:
         """The models the caller may use (the frontend leaves out those its tenant may not)."""

@@ -56,6 +56,8 @@ class Carryover:
         self.carried = len(self.generated)
         self.hops += 1
         sampling = msgspec.structs.replace(self.original.sampling, max_tokens=self.tokens_left)
+        if self.generated:  # the prompt's logprobs came with the first token: the next worker scores nothing
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         prompt = [*self.original.prompt_token_ids, *self.generated]
         return msgspec.structs.replace(self.original, prompt_token_ids=prompt, sampling=sampling,
                                        do_remote_decode=False, kv_transfer_params=kv_transfer_params,

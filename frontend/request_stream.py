@@ -6,7 +6,7 @@ from frontend.metering import TokenCounts
 from frontend.text_stream import IncrementalDetokenizer, StopStringMatcher
 from frontend.tool_calls.calls import CallReader
 from gpu_runtime.ipc.enums import FinishReason
-from gpu_runtime.ipc.messages import RequestDelta
+from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.tokenizer import Tokenizer
 from tokend.v1 import tokend_pb2 as pb
 
@@ -64,7 +64,8 @@ class ChunkBuilder:
             text=text,
             usage=usage,
             finish_reason=self._finish_label(finish_reason),
-            logprobs=self._logprobs(deltas),
+            logprobs=self._as_pb([entry for delta in deltas for entry in delta.new_logprobs or ()]),
+            prompt_logprobs=self._as_pb([entry for delta in deltas for entry in delta.prompt_logprobs or ()]),
             model=self.model_name,
             tool_calls=[pb.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments) for c in calls],
         )
@@ -75,7 +76,7 @@ class ChunkBuilder:
             return "tool_calls"
         return finish_reason or ""
 
-    def _logprobs(self, deltas: list[RequestDelta]) -> list[pb.TokenLogprob]:
+    def _as_pb(self, entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
         text = self._tokenizer.token_text
         return [
             pb.TokenLogprob(
@@ -84,7 +85,5 @@ class ChunkBuilder:
                 token=text(entry.token_id),
                 top=[pb.TopLogprob(token_id=token, logprob=value, token=text(token)) for token, value in entry.top],
             )
-            for delta in deltas
-            if delta.new_logprobs
-            for entry in delta.new_logprobs
+            for entry in entries
         ]

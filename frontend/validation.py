@@ -29,6 +29,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_p",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "repetition_penalty",
 )
 

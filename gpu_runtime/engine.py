@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from gpu_runtime.memory_profile import load_model_and_pool
 from gpu_runtime.model.config import load_capped_model_config
 from gpu_runtime.model.tensor_parallel import check_divisible
 from gpu_runtime.model_runner import ModelRunner
+from gpu_runtime.prompt_logprobs import append_scores
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import Scheduler, SchedulerOutput
 from gpu_runtime.sequence import Sequence, SequenceStatus
@@ -236,9 +238,11 @@ class LLMEngine:
             inputs = self.runner.prepare(scheduled)
             # The constrained rows' masks are computed on a thread while the forward runs.
             masks = self._grammar_masks.start(inputs.sampling) if self._grammar_masks else None
-            logits = self.runner.execute(inputs)
+            logits, prompt_scores = self.runner.execute(inputs)
             if masks is not None:
                 masks.apply(logits)
+            if prompt_scores is not None:
+                append_scores(list(inputs.scored), prompt_scores)
             return inputs, *self.sampler(logits, inputs.sampling)
         except torch.OutOfMemoryError:
             return None
@@ -274,7 +278,12 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, seq.finish_reason)
-        return self._delta(seq, [token], [logprob] if logprob else None, queued_s, error=seq.grammar_error)
+        # The prompt's logprobs go out once, with the first token (every prompt position is scored by then).
+        prompt_logprobs = None
+        if len(seq.output_token_ids) == 1 and seq.params.prompt_logprobs is not None:
+            prompt_logprobs = [TokenLogprob(seq.prompt_token_ids[0], math.nan, []), *seq.prompt_logprobs]
+        return self._delta(seq, [token], [logprob] if logprob else None, queued_s, error=seq.grammar_error,
+                           prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def _check_when_idle(self) -> None:
         if self.config.debug_checks and not self.scheduler.has_unfinished():
@@ -317,6 +326,7 @@ class LLMEngine:
         queued_s: float | None = None,
         error: str | None = None,
         retryable: bool = False,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestDelta:
         return RequestDelta(
             request_id=seq.request_id,
@@ -329,6 +339,7 @@ class LLMEngine:
             error=error,
             queued_s=queued_s,
             retryable=retryable,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -78,12 +78,15 @@ class LLM:
         logprobs: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
         reasons: dict[str, str] = {}
         cached: dict[str, int] = {}
+        prompt_logprobs: dict[str, list] = {}
         with tqdm(total=len(requests), desc="generate", unit="req", disable=not show_progress) as progress:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     tokens[out.request_id].extend(out.new_token_ids)
                     logprobs[out.request_id].extend(out.new_logprobs or [])
                     cached[out.request_id] = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = [None, *out.prompt_logprobs[1:]]  # vLLM's None first
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
                         progress.update(1)
@@ -103,6 +106,7 @@ class LLM:
                 ],
                 finished=True,
                 num_cached_tokens=cached.get(request_id, 0),
+                prompt_logprobs=prompt_logprobs.get(request_id),
             )
             for (request_id, prompt, token_ids), p in zip(requests, params, strict=True)
         ]

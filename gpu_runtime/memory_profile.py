@@ -103,7 +103,7 @@ def build_step(
 def run_step(runner: ModelRunner, step: SchedulerOutput) -> list[int]:
     """One forward and one sampling, as LLMEngine.step runs them; returns the sampled tokens."""
     inputs = runner.prepare(step)
-    logits = runner.execute(inputs)
+    logits, _ = runner.execute(inputs)
     if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
         return []
     tokens, _logprobs = Sampler()(logits, inputs.sampling)

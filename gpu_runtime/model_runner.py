@@ -1,16 +1,24 @@
-"""Runs a scheduled step's forward over the flattened batch and returns the sampling rows' logits."""
+"""Runs a scheduled step's forward over the flattened batch and returns the sampling rows' logits (and the scores
+of the prompt tokens whose logprobs are wanted)."""
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.model.registry import CausalLM
+from gpu_runtime.prompt_logprobs import PromptScores, score_rows
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.step_inputs import StepInputs, StepPlan, inputs_of_plan, plan_step
 from gpu_runtime.tp.step_channel import RunStep, StepChannel
+
+
+class StepLogits(NamedTuple):
+    sampling: torch.Tensor | None  # [sampling rows, vocab] float32; None on a tensor-parallel rank other than 0
+    prompt: PromptScores | None  # the scored prompt rows' logprobs (None when no sequence wants them, and off rank 0)
 
 
 class ModelRunner:
@@ -29,10 +37,10 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
-        plan, sampling = plan_step(step, self.pool.page_size)
+        plan, sampling, scored = plan_step(step, self.pool.page_size)
         if self.channel is not None:
             self.channel.send(RunStep(plan))
-        return self._planned(inputs_of_plan(plan, self.device, sampling))
+        return self._planned(inputs_of_plan(plan, self.device, sampling, scored))
 
     def prepare_plan(self, plan: StepPlan) -> StepInputs:
         """A tensor-parallel rank's inputs, from rank 0's plan (it samples nothing)."""
@@ -43,9 +51,10 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs) -> StepLogits:
         """Runs one forward over the flattened batch (the last inputs prepared); returns [num_sequences, vocab]
-        float32 logits (None on a tensor-parallel rank other than 0: the logits are gathered to rank 0).
+        float32 logits (None on a tensor-parallel rank other than 0: the logits are gathered to rank 0), and the
+        scores of the step's prompt rows when some sequence wants its prompt's logprobs.
 
         Nothing here waits for the device: on CUDA the sampler's one read-back of the tokens is the step's only
         synchronisation, so this time is the host's (launching the kernels) there, and the whole forward on CPU.
@@ -53,5 +62,9 @@ class ModelRunner:
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.layers, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        prompt = None
+        if inputs.scored_rows is not None:
+            scored = hidden.index_select(0, inputs.scored_rows)
+            prompt = score_rows(self.model, scored, inputs.scored_targets, inputs.scored_top)
         self.forward_seconds += time.perf_counter() - started
-        return logits
+        return StepLogits(logits, prompt)

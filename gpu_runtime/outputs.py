@@ -28,3 +28,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM's).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -37,6 +37,9 @@ class Sequence:
     admission_order: int = 0  # when it last entered the running batch; the latest is preempted first
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.prompt_logprobs: the prompt tokens' logprobs from its second token on, as the chunks that compute
+    # them run (entry i scores prompt token i + 1, from position i's logits); sent with the first token.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cache_salt: str = ""  # folded into the first page's hash: only requests with the same salt share pages
     page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
     # The chained content hash of each full page of its tokens, computed once as the page fills (prefix caching
@@ -66,6 +69,17 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens whose K/V a prefix-cache hit may supply instead of a forward: all but the last (its logits
+        give the next token), and, while the prompt's logprobs are wanted, only the positions already scored (a
+        position the cache skips yields no logits). So a request with prompt_logprobs computes its whole prompt
+        once; its pages still enter the cache for the requests after it."""
+        reusable = self.num_tokens - 1
+        if self.params.prompt_logprobs is not None:
+            reusable = min(reusable, len(self.prompt_logprobs))
+        return reusable
 
     @property
     def num_uncomputed_tokens(self) -> int:

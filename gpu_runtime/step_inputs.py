@@ -11,12 +11,14 @@ turns a plan into tensors. Tensor-parallel ranks receive the plan (msgspec, neve
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
 from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PlanRow, PrefillBatch
+from gpu_runtime.prompt_logprobs import ScoredPrompt, rows_to_score
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.sequence import Sequence
 
@@ -28,6 +30,16 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # the last row of each sampling sequence, in `sampling` order
     sampling: list[Sequence]  # the sequences that sample a token this step, in logits order
+    # Prompt logprobs (gpu_runtime.prompt_logprobs): the rows that score a prompt token, and those tokens (None
+    # when no sequence of the step wants them); on rank 0, the sequences they belong to, in row order.
+    scored_rows: torch.Tensor | None = None
+    scored_targets: torch.Tensor | None = None
+    scored: tuple[ScoredPrompt, ...] = ()
+
+    @property
+    def scored_top(self) -> int:
+        """The most top tokens any scored sequence wants at each prompt position."""
+        return max((item.seq.params.prompt_logprobs or 0 for item in self.scored), default=0)
 
 
 class StepPlan(msgspec.Struct, frozen=True, array_like=True):
@@ -40,6 +52,8 @@ class StepPlan(msgspec.Struct, frozen=True, array_like=True):
     decode_rows: list[PlanRow]  # single-query rows: the decodes, then a static batch's padding rows
     prefill_rows: list[PlanRow]
     num_real_decodes: int
+    scored_rows: list[int] = []  # rows whose logits score a prompt token (prompt logprobs), and those tokens
+    scored_targets: list[int] = []
 
 
 class _HostBuffer:
@@ -64,12 +78,12 @@ class _HostBuffer:
 
 def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device) -> StepInputs:
     """The step's inputs (its attention backend's `plan` still to run on their metadata)."""
-    plan, sampling = plan_step(step, page_size)
-    return inputs_of_plan(plan, device, sampling)
+    plan, sampling, scored = plan_step(step, page_size)
+    return inputs_of_plan(plan, device, sampling, scored)
 
 
-def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Sequence]]:
-    """The step's plan, and the sequences that sample a token, in logits order."""
+def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Sequence], list[ScoredPrompt]]:
+    """The step's plan, the sequences that sample a token (in logits order), and those that score prompt tokens."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -77,6 +91,9 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
     sampling: list[Sequence] = []
     decode_rows: list[PlanRow] = []
     prefill_rows: list[PlanRow] = []
+    scored_rows: list[int] = []
+    scored_targets: list[int] = []
+    scored: list[ScoredPrompt] = []
     for seq in step.decodes:
         position = seq.num_computed_tokens
         page = seq.page_ids[position // page_size]
@@ -90,6 +107,12 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
         seq, start = work.seq, work.seq.num_computed_tokens
         end = start + work.num_new_tokens
         prefill_rows.append(PlanRow(len(input_ids), work.num_new_tokens, end, _pages(seq, end, page_size)))
+        if seq.params.prompt_logprobs is not None:
+            rows, targets = rows_to_score(seq, start, end, first_row=len(input_ids))
+            if rows:
+                scored_rows += rows
+                scored_targets += targets
+                scored.append(ScoredPrompt(seq, len(rows)))
         input_ids.extend(seq.token_ids_range(start, end))
         positions.extend(range(start, end))
         pages = seq.page_ids
@@ -107,11 +130,14 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
         decode_rows.append(PlanRow(len(input_ids), 1, context, _pages(seq, context, page_size)))
         input_ids.extend(seq.token_ids_range(context - 1, context))
         positions.append(context - 1)
-    plan = StepPlan(input_ids, positions, slots, logits_rows, decode_rows, prefill_rows, num_real_decodes)
-    return plan, sampling
+    plan = StepPlan(input_ids, positions, slots, logits_rows, decode_rows, prefill_rows, num_real_decodes,
+                    scored_rows, scored_targets)  # fmt: skip
+    return plan, sampling, scored
 
 
-def inputs_of_plan(plan: StepPlan, device: torch.device, sampling: list[Sequence]) -> StepInputs:
+def inputs_of_plan(
+    plan: StepPlan, device: torch.device, sampling: list[Sequence], scored: list[ScoredPrompt] = ()
+) -> StepInputs:
     """The plan's tensors on `device`, in one host-to-device copy."""
     decode_rows, prefill_rows, num_real_decodes = plan.decode_rows, plan.prefill_rows, plan.num_real_decodes
     buffer = _HostBuffer()
@@ -119,12 +145,18 @@ def inputs_of_plan(plan: StepPlan, device: torch.device, sampling: list[Sequence
     slots_at, logits_at = buffer.add(plan.slots), buffer.add(plan.logits_rows)
     decode_sections = _add_decode_sections(buffer, decode_rows, has_padding=len(decode_rows) > num_real_decodes)
     prefill_sections = _add_prefill_sections(buffer, prefill_rows)
+    scored_at = (buffer.add(plan.scored_rows), buffer.add(plan.scored_targets)) if plan.scored_rows else None
     tensors = buffer.to_device(device)
 
     decode = _decode_batch(tensors, decode_sections, decode_rows)
     prefill = _prefill_batch(tensors, prefill_sections, prefill_rows)
     meta = AttentionMetadata(slot_mapping=tensors[slots_at], decode=decode, prefill=prefill)
-    return StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sampling)
+    inputs = StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sampling)
+    if scored_at is None:
+        return inputs
+    rows_at, targets_at = scored_at
+    return dataclasses.replace(inputs, scored_rows=tensors[rows_at], scored_targets=tensors[targets_at],
+                               scored=tuple(scored))  # fmt: skip
 
 
 def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:

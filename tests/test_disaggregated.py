@@ -324,3 +324,22 @@ def test_a_rollout_keeps_both_pools_and_a_decode_worker_serving_throughout(tmp_p
         assert reason == "length" and len(tokens) == 4
         last = daemon.log_entries("request_admitted")[-1]
         assert (last["worker"], last["decode_worker"]) == (roles["prefill"][0].worker_id, roles["decode"][0].worker_id)
+
+
+def test_prompt_logprobs_come_from_the_prefill_worker_as_one_process_scores_them(disaggregated):
+    """A handed-over request's prompt logprobs are the prefill worker's (on its first chunk, with its first token),
+    equal to the engine's in process; the decode worker scores nothing again."""
+    from gpu_runtime import LLM, SamplingParams
+    from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
+
+    prompt = _prompts(1, seed=19, longest=300)[0] + list(range(3, 3 + MIN_PROMPT))  # handed over
+    request = _request(prompt, 4)
+    request.sampling.prompt_logprobs = 2
+    chunks = list(disaggregated.generation.Generate(request, timeout=120))
+    scored = [chunk.prompt_logprobs for chunk in chunks if chunk.prompt_logprobs]
+    assert len(scored) == 1 and len(scored[0]) == len(prompt)
+    assert disaggregated.log_entries("request_admitted")[-1]["decode_worker"]  # it went the P/D way
+    with LLM(TINY_RANDOM_MODEL_NAME) as llm:
+        [expected] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    got = [entry.logprob for entry in scored[0][1:]]
+    assert got == pytest.approx([entry.logprob for entry in expected.prompt_logprobs[1:]], abs=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import openai
@@ -118,6 +119,10 @@ def test_health_and_metrics(daemon):
         (json.dumps({"prompt": "x", "n": 9}).encode(), 400, "n"),
         (json.dumps({"prompt": "x", "stop": ["s"] * 9}).encode(), 400, "stop"),
         (json.dumps({"prompt": "x", "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x", "prompt_logprobs": 21}).encode(), 400, "prompt_logprobs"),
+        (json.dumps({"prompt": "x", "prompt_logprobs": -1}).encode(), 400, "prompt_logprobs"),
+        (json.dumps({"prompt": "x", "echo": True, "logprobs": 21}).encode(), 400, "logprobs"),
+        (json.dumps({"prompt": "x", "suffix": "y"}).encode(), 400, "suffix"),
         (json.dumps({"prompt": "x", "priority": "urgent"}).encode(), 400, "priority"),
         (json.dumps({"prompt": "x" * (5 << 20)}).encode(), 413, None),
     ],
@@ -193,6 +198,51 @@ def test_a_standalone_gateway_keeps_a_quiet_stream_alive_with_comments(daemon):
             lines = list(reply.iter_lines())
         assert ": keep-alive" in lines
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+
+
+def test_echo_with_logprobs_scores_each_prompt_token_as_transformers_does(daemon, client):
+    """What evaluation harnesses send to score a multiple-choice answer (lm-eval's local-completions): token-id
+    prompts in a batch, echo, logprobs=1, max_tokens=1. Each choice's logprobs cover its prompt (the first token
+    null) and then its one token, equal to transformers' teacher-forced log-softmax; the text is prompt + output.
+    Streamed, the echo comes first; vLLM's prompt_logprobs field on chat, and gRPC's, say the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gpu_runtime.default_model import resolve_model_dir
+
+    prompts = [[5, 9, 33, 80, 100, 7], [44 + i for i in range(30)], [200, 3]]
+    reply = client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt=prompts, max_tokens=1, temperature=0,
+                                      logprobs=1, echo=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(TINY_RANDOM_MODEL_NAME, "auto"), dtype=torch.float32)
+    for prompt, choice in zip(prompts, sorted(reply.choices, key=lambda c: c.index), strict=True):
+        with torch.inference_mode():
+            expected = model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+        scored = choice.logprobs.token_logprobs
+        assert len(scored) == len(prompt) + 1 and scored[0] is None and choice.logprobs.top_logprobs[0] is None
+        wanted = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert scored[1 : len(prompt)] == pytest.approx(wanted, abs=1e-4)
+        best = [max(top.values()) for top in choice.logprobs.top_logprobs[1 : len(prompt)]]
+        assert best == pytest.approx(expected[:-1].max(dim=-1).values.tolist(), abs=1e-4)
+        assert choice.text.endswith(choice.logprobs.tokens[-1]) and len(choice.text) > len(choice.logprobs.tokens[-1])
+
+    streamed = list(client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                                              temperature=0, echo=True, stream=True))  # fmt: skip
+    assert streamed[0].choices[0].text.startswith(PROMPT)
+    whole = client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + whole.choices[0].text
+
+    chat = client.chat.completions.create(model=TINY_RANDOM_MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 2})  # fmt: skip
+    shaped = chat.model_extra["prompt_logprobs"]
+    assert len(shaped) == chat.usage.prompt_tokens and shaped[0] is None
+    assert all(2 <= len(position) <= 3 for position in shaped[1:])  # the prompt's token and the top 2
+
+    sampling = pb.SamplingParams(max_tokens=2, prompt_logprobs=0)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompts[0]), sampling=sampling)
+    first = next(iter(daemon.generation.Generate(request, timeout=60)))
+    assert [e.token_id for e in first.prompt_logprobs] == prompts[0] and math.isnan(first.prompt_logprobs[0].logprob)
+    over_http = next(c for c in reply.choices if c.index == 0).logprobs.token_logprobs[1 : len(prompts[0])]
+    assert [e.logprob for e in first.prompt_logprobs[1:]] == pytest.approx(over_http, abs=1e-6)
 
 
 def test_a_draining_server_answers_503_with_retry_after(daemon):

@@ -408,3 +408,19 @@ def test_a_refused_request_fails_with_the_schedulers_reason(retryable):
         assert client.error.code == expected and len(frontend.ledger.commits) == 1
 
     scenario()
+
+
+def test_a_continuation_scores_the_prompt_only_if_no_token_came_yet():
+    """Prompt logprobs come with the first token: a handover's or migration's next worker is not asked for them
+    again (it would score the prompt plus the tokens so far), unless nothing had been generated before the move."""
+    from frontend.migration import Carryover
+    from gpu_runtime.ipc.enums import Priority
+    from gpu_runtime.ipc.messages import AddRequest, RequestDelta
+    from gpu_runtime.ipc.sampling_params import SamplingParams
+
+    original = AddRequest("rec-1", [1, 2, 3], SamplingParams(max_tokens=5, prompt_logprobs=2), Priority.INTERACTIVE)
+    carry = Carryover(original)
+    assert carry.continuation().sampling.prompt_logprobs == 2  # moved before its first token: still to score
+    carry.count([RequestDelta("rec-1", [7], None, None, 3, 1, 0)])
+    moved = carry.continuation(PAGES)
+    assert moved.sampling.prompt_logprobs is None and moved.prompt_token_ids == [1, 2, 3, 7]

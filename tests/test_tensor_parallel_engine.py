@@ -58,12 +58,19 @@ def test_two_ranks_generate_what_one_process_and_transformers_do(tmp_path, spec)
     expected = transformers_greedy(model_dir, prompts, NUM_TOKENS)
     greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     requests = [{"prompt_token_ids": p} for p in prompts]
+    scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)  # the ranks score prompts alike too
     with LLM(str(model_dir), **OPTIONS) as one:
         single = one.generate(requests, greedy)
+        single_scored = one.generate(requests[:3], scoring)
     with LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS) as two:
         assert len(rank_processes()) == 1
         split = two.generate(requests, greedy)
+        split_scored = two.generate(requests[:3], scoring)
     assert rank_processes() == []  # closing stopped rank 1
+    for a, b in zip(single_scored, split_scored, strict=True):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [e.logprob for e in b.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in a.prompt_logprobs[1:]],
+                                                                           abs=1e-4)  # fmt: skip
     assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single] == expected
     # The shared prefix came from the cache for the prompts admitted after the first one's pages filled.
     assert sum(o.num_cached_tokens for o in split) >= 8 * 24

@@ -20,7 +20,8 @@ from tokend.v1 import tokend_pb2 as pb
 _UINT32_END = 2**32
 # The integer fields that reach a protobuf field as they are, and the end of that field's range: uint32 or uint64.
 # (max_tokens and max_completion_tokens reach one clamped; n and best_of never reach one.)
-_INTEGER_ENDS = {"top_k": _UINT32_END, "logprobs": _UINT32_END, "top_logprobs": _UINT32_END, "seed": 2**64}
+_INTEGER_ENDS = {"top_k": _UINT32_END, "logprobs": _UINT32_END, "top_logprobs": _UINT32_END,
+                 "prompt_logprobs": _UINT32_END, "seed": 2**64}  # fmt: skip
 _CLAMPED = ("max_tokens", "max_completion_tokens")  # clamped to the field's range; below 1 is refused
 # The unsupported fields of SamplingFields, and the values that ask for nothing (and so are accepted).
 _UNSUPPORTED = {
@@ -29,7 +30,6 @@ _UNSUPPORTED = {
     "length_penalty": (None, 1.0),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
-    "prompt_logprobs": (None,),
 }
 # A batch of prompts fans out into prompts x n gRPC calls, each holding a place in the frontend's admission queue:
 # the bound keeps one request from filling that queue (256 places by default) on its own.
@@ -69,6 +69,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the prompt tokens' own logprobs (and the top n at each position), in the answer's `prompt_logprobs`.
     prompt_logprobs: int | None = None
     # Structured outputs, OpenAI's way and vLLM's (see structured_fields): one of them per request.
     response_format: Any = None
@@ -136,8 +137,8 @@ def completion_to_grpc(request: CompletionRequest, max_n: int, request_id: str) 
     """One GenerateRequest per choice: n for each prompt, in the order of their `index` (prompt index * n + choice),
     each with its request id (see request_ids.per_choice)."""
     _check_common(request, max_n)
-    if request.echo or request.suffix is not None:
-        raise bad_request("echo and suffix are not supported", "echo" if request.echo else "suffix")
+    if request.suffix is not None:
+        raise bad_request("suffix: not supported by this server; leave it unset", "suffix")
     if request.best_of not in (None, request.n):
         raise bad_request("best_of other than n is not supported", "best_of")
     prompts = completion_prompts(request.prompt)
@@ -148,6 +149,8 @@ def completion_to_grpc(request: CompletionRequest, max_n: int, request_id: str) 
             "prompt",
         )
     sampling = _sampling(request, request.max_tokens, request.logprobs)  # unset: the API default (16, as OpenAI)
+    if request.echo and request.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+        sampling.prompt_logprobs = max(request.logprobs, sampling.prompt_logprobs)
     choice_ids = per_choice(request_id, len(prompts) * request.n)
     requests = []
     for index, prompt in enumerate(prompts):
@@ -256,6 +259,8 @@ def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | N
         sampling.seed = request.seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if request.prompt_logprobs is not None:
+        sampling.prompt_logprobs = request.prompt_logprobs
     return sampling
 
 

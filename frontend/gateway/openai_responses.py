@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class ChoiceState:
     usage: pb.Usage | None = None
     finish_reason: str | None = None
     text_offset: int = 0  # characters emitted so far (completions logprobs' text_offset)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # one per prompt token, when asked for
     tool_calls: dict[int, dict] = field(default_factory=dict)  # by index: OpenAI's call objects, arguments joined
 
 
@@ -37,6 +39,8 @@ class ResponseShape:
         wants_logprobs: bool,
         request_id: str | None = None,
         per_prompt: int | None = None,
+        echo: list[str] | None = None,
+        prompt_logprobs: bool = False,
     ):
         self.chat = chat
         # OpenAI's id shape around the request's id: the one a client sent as X-Request-Id finds it here too.
@@ -47,6 +51,10 @@ class ResponseShape:
         self.wants_logprobs = wants_logprobs
         self.choices = [ChoiceState(i) for i in range(n)]
         self.per_prompt = per_prompt or n
+        # Completions' echo: each prompt's text, put before its choices' text (and, with logprobs, its tokens'
+        # logprobs before theirs); vLLM's prompt_logprobs field, when the request set it.
+        self.echo = echo
+        self.wants_prompt_logprobs = prompt_logprobs
         # OpenAI's name for what identifies the backend that served: here the weights' generation (a rollout
         # changes it), so a client can tell which weights answered.
         self.system_fingerprint: str | None = None
@@ -60,10 +68,17 @@ class ResponseShape:
             self.model = response.model
         if response.generation:
             self.system_fingerprint = response.generation
-        logprobs = self._logprobs(choice, list(response.logprobs)) if self.wants_logprobs else None
         first = not choice.text
-        choice.text.append(response.text)
-        choice.logprobs.extend(response.logprobs)
+        if response.prompt_logprobs:
+            choice.prompt_logprobs = list(response.prompt_logprobs)
+        entries = list(response.logprobs)
+        text = response.text
+        if first and self.echo is not None:
+            text = self.echo[index // self.per_prompt] + text
+            entries = choice.prompt_logprobs + entries
+        logprobs = self._logprobs(choice, entries) if self.wants_logprobs else None
+        choice.text.append(text)
+        choice.logprobs.extend(entries)
         choice.usage = response.usage
         choice.finish_reason = response.finish_reason or None
         if self.chat:
@@ -75,8 +90,10 @@ class ResponseShape:
                 _record_calls(choice, response.tool_calls)
             entry = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
-            entry = {"index": index, "text": response.text, "logprobs": logprobs}
+            entry = {"index": index, "text": text, "logprobs": logprobs}
         entry["finish_reason"] = choice.finish_reason
+        if first and self.wants_prompt_logprobs:
+            entry["prompt_logprobs"] = _vllm_prompt_logprobs(choice.prompt_logprobs)
         return self._chunk([entry])
 
     def usage_chunk(self) -> dict:
@@ -108,9 +125,11 @@ class ResponseShape:
                     entry["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
             else:
                 entry["text"] = text
+                if self.wants_prompt_logprobs:
+                    entry["prompt_logprobs"] = _vllm_prompt_logprobs(choice.prompt_logprobs)
             choices.append(entry)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {
+        body = {
             "id": self.id,
             "object": kind,
             "created": self.created,
@@ -119,6 +138,9 @@ class ResponseShape:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.chat and self.wants_prompt_logprobs:  # vLLM's place for it in a chat answer: the body (one prompt)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.choices[0].prompt_logprobs)
+        return body
 
     def usage(self) -> dict:
         """Each prompt is counted once, however many choices it had; completions add up."""
@@ -156,12 +178,26 @@ class ResponseShape:
         for entry in entries:
             offsets.append(choice.text_offset)
             choice.text_offset += len(entry.token)
+        # An echoed prompt's first token has no logprob (NaN on the wire): null, and null top_logprobs, as OpenAI's.
         return {
             "tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
+            "top_logprobs": [None if math.isnan(e.logprob) else {t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets,
         }
+
+
+def _vllm_prompt_logprobs(entries: list[pb.TokenLogprob]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}} for
+    the prompt's token and the most likely ones there."""
+    shaped: list[dict | None] = []
+    for entry in entries:
+        if math.isnan(entry.logprob):
+            shaped.append(None)
+            continue
+        top = {str(t.token_id): {"logprob": t.logprob, "decoded_token": t.token} for t in entry.top}
+        shaped.append({str(entry.token_id): {"logprob": entry.logprob, "decoded_token": entry.token}, **top})
+    return shaped
 
 
 def _call_delta(call: pb.ToolCallDelta) -> dict:

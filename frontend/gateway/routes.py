@@ -20,6 +20,7 @@ from frontend.gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_to_grpc,
+    completion_prompts,
     completion_to_grpc,
     decode,
 )
@@ -63,7 +64,9 @@ class GatewayRoutes:
     async def completions(self, request: Request) -> Response:
         body = decode(await request.body(), CompletionRequest)
         grpc_requests = completion_to_grpc(body, self.spec.max_n, request_ids.of(request))
-        return await self._generate(request, body, grpc_requests, chat=False, wants_logprobs=body.logprobs is not None)
+        echo = await self._prompt_texts(request, body) if body.echo else None
+        return await self._generate(request, body, grpc_requests, chat=False, wants_logprobs=body.logprobs is not None,
+                                    echo=echo)  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
         body = decode(await request.body(), ChatCompletionRequest)
@@ -82,7 +85,25 @@ class GatewayRoutes:
         events = response_events(calls, shape, self.spec.keepalive_s)
         return StreamingResponse(self._counted(events), media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _generate(self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool) -> Response:
+    async def _prompt_texts(self, request: Request, body: CompletionRequest) -> list[str]:
+        """Each prompt as text, for echo: a string as sent; token ids as the model's tokenizer decodes them."""
+        stub = pb_grpc.GenerationStub(self.channel)
+        texts = []
+        for prompt in completion_prompts(body.prompt):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                continue
+            try:
+                reply = await stub.Detokenize(pb.DetokenizeRequest(model=body.model, token_ids=prompt),
+                                              metadata=_auth_metadata(request), timeout=10)  # fmt: skip
+            except grpc.aio.AioRpcError as error:
+                raise from_grpc(error.code(), error.details(), chat=False) from None
+            texts.append(reply.text)
+        return texts
+
+    async def _generate(
+        self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool, echo: list[str] | None = None
+    ) -> Response:
         metadata = _auth_metadata(request)
         calls = GenerateCalls(pb_grpc.GenerationStub(self.channel), grpc_requests, metadata, chat, per_prompt=body.n)
         try:
@@ -93,7 +114,8 @@ class GatewayRoutes:
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         model, n = calls.model or body.model, len(grpc_requests)
-        shape = ResponseShape(chat, model, n, include_usage, wants_logprobs, request_ids.of(request), per_prompt=body.n)
+        shape = ResponseShape(chat, model, n, include_usage, wants_logprobs, request_ids.of(request), per_prompt=body.n,
+                              echo=echo, prompt_logprobs=body.prompt_logprobs is not None)  # fmt: skip
         if not body.stream:
             return LineSafeJSONResponse(await _until_disconnect(request, calls.collect(shape), calls))
         return StreamingResponse(

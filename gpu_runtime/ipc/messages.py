@@ -117,6 +117,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # did not end it): where its prompt's pages wait. None on every other delta, and when the first token ended
     # the request for good (a stop token, an abort).
     handover: KVTransferParams | None = None
+    # On the delta with the request's first token, when its sampling asked for prompt_logprobs: one entry per prompt
+    # token, its logprob where it stands; the first token's is NaN (nothing precedes it: OpenAI's null).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     stop_token_ids: tuple[int, ...] = ()  # finish on any of these, eos or not
     ignore_eos: bool = False  # keep generating past the model's eos ids (benchmarks)
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: also the top n
+    # The prompt's own tokens' logprobs (vLLM's prompt_logprobs; OpenAI completions' echo with logprobs): None: not
+    # computed; 0: each prompt token's from the second on; n: also the top n at each of those positions.
+    prompt_logprobs: int | None = None
     # Penalties as vLLM defines them. Presence and frequency (OpenAI's) look at the tokens generated so far:
     # each seen token's logit loses presence_penalty once and frequency_penalty per occurrence. Repetition
     # (transformers' and vLLM's) looks at prompt and output: a seen token's logit is divided by it when
@@ -56,6 +59,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             "logprobs",
             "None or an integer in [0, 20]",
             self.logprobs,
+        )
+        require(
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            "None or an integer in [0, 20]",
+            self.prompt_logprobs,
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

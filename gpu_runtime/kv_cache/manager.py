@@ -71,9 +71,9 @@ class KVCacheManager:
     # -- admission ------------------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixMatch:
-        """The cached pages holding the longest prefix of `seq` that leaves at least one token to compute (the
-        step that computes it yields the next token's logits); changes nothing."""
-        return self.lookup(seq.page_hashes[: (seq.num_tokens - 1) // self.page_size])
+        """The cached pages holding the longest prefix of `seq` it may reuse (Sequence.num_reusable_tokens: at least
+        one token is left to compute, whose step yields the next token's logits); changes nothing."""
+        return self.lookup(seq.page_hashes[: seq.num_reusable_tokens // self.page_size])
 
     def lookup(self, hashes: list[bytes]) -> PrefixMatch:
         """The cached pages of the longest leading run of `hashes`; changes nothing."""

@@ -274,15 +274,20 @@ class LLMEngine:
             seq.first_token_time = time.monotonic()
             if seq.first_scheduled_time is not None:
                 queued_s = seq.first_scheduled_time - seq.arrival_time
-        seq.append_token(token, logprob)
+        new_tokens, new_logprobs = [token], [logprob] if logprob else None
+        if seq.params.max_tokens == 0:  # a prompt to score only: the token its last position picked is not its own
+            new_tokens, new_logprobs = [], None
+            seq.finish_reason = FinishReason.LENGTH
+        else:
+            seq.append_token(token, logprob)
         if seq.finish_reason is not None:
             self._requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, seq.finish_reason)
         # The prompt's logprobs go out once, with the first token (every prompt position is scored by then).
         prompt_logprobs = None
-        if len(seq.output_token_ids) == 1 and seq.params.prompt_logprobs is not None:
+        if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == min(1, seq.params.max_tokens):
             prompt_logprobs = [TokenLogprob(seq.prompt_token_ids[0], math.nan, []), *seq.prompt_logprobs]
-        return self._delta(seq, [token], [logprob] if logprob else None, queued_s, error=seq.grammar_error,
+        return self._delta(seq, new_tokens, new_logprobs, queued_s, error=seq.grammar_error,
                            prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def _check_when_idle(self) -> None:

@@ -225,6 +225,15 @@ def test_echo_with_logprobs_scores_each_prompt_token_as_transformers_does(daemon
         assert best == pytest.approx(expected[:-1].max(dim=-1).values.tolist(), abs=1e-4)
         assert choice.text.endswith(choice.logprobs.tokens[-1]) and len(choice.text) > len(choice.logprobs.tokens[-1])
 
+    # max_tokens 0: the prompt alone, scored, nothing generated and nothing billed but the prompt.
+    alone = client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt=[prompts[0]], max_tokens=0, echo=True,
+                                      logprobs=1)  # fmt: skip
+    first_scored = next(c for c in reply.choices if c.index == 0).logprobs.token_logprobs[: len(prompts[0])]
+    assert alone.choices[0].logprobs.token_logprobs[0] is None
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(first_scored[1:], abs=1e-5)
+    assert (alone.choices[0].finish_reason, alone.usage.completion_tokens) == ("length", 0)
+    assert alone.usage.prompt_tokens == len(prompts[0])
+
     streamed = list(client.completions.create(model=TINY_RANDOM_MODEL_NAME, prompt=PROMPT, max_tokens=4,
                                               temperature=0, echo=True, stream=True))  # fmt: skip
     assert streamed[0].choices[0].text.startswith(PROMPT)

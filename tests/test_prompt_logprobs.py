@@ -91,7 +91,23 @@ def test_a_prompt_scored_after_preemption_is_scored_once(model_dir, teacher_forc
         _check(prompt, output.prompt_logprobs, teacher_forced(prompt))
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5])
-def test_a_bad_prompt_logprobs_is_refused_naming_it(value):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=value)
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(model_dir, teacher_forced):
+    prompt = _prompts(1, seed=7)[0]
+    with LLM(str(model_dir), max_num_batched_tokens=48, max_num_seqs=8) as llm:
+        [output] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "length"
+    _check_logprobs_only(prompt, output.prompt_logprobs, teacher_forced(prompt))
+
+
+def _check_logprobs_only(prompt: list[int], entries, reference: torch.Tensor) -> None:
+    assert len(entries) == len(prompt) and entries[0] is None
+    wanted = [reference[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert [entry.logprob for entry in entries[1:]] == pytest.approx(wanted, abs=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "fields", [{"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": 1.5}, {"max_tokens": 0}]
+)
+def test_a_bad_prompt_logprobs_or_a_request_for_nothing_is_refused_naming_the_field(fields):
+    with pytest.raises(ValueError, match=next(iter(fields))):
+        SamplingParams(**fields)

@@ -22,7 +22,7 @@ _UINT32_END = 2**32
 # (max_tokens and max_completion_tokens reach one clamped; n and best_of never reach one.)
 _INTEGER_ENDS = {"top_k": _UINT32_END, "logprobs": _UINT32_END, "top_logprobs": _UINT32_END,
                  "prompt_logprobs": _UINT32_END, "seed": 2**64}  # fmt: skip
-_CLAMPED = ("max_tokens", "max_completion_tokens")  # clamped to the field's range; below 1 is refused
+_CLAMPED = ("max_tokens", "max_completion_tokens")  # clamped to the field's range; below 1 is refused (but see echo)
 # The unsupported fields of SamplingFields, and the values that ask for nothing (and so are accepted).
 _UNSUPPORTED = {
     "min_tokens": (None, 0),
@@ -149,8 +149,9 @@ def completion_to_grpc(request: CompletionRequest, max_n: int, request_id: str) 
             "prompt",
         )
     sampling = _sampling(request, request.max_tokens, request.logprobs)  # unset: the API default (16, as OpenAI)
-    if request.echo and request.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
-        sampling.prompt_logprobs = max(request.logprobs, sampling.prompt_logprobs)
+    # The echoed prompt's tokens come with their logprobs; with max_tokens 0 the prompt is all there is (scored).
+    if request.echo and (request.logprobs is not None or request.max_tokens == 0):
+        sampling.prompt_logprobs = max(request.logprobs or 0, sampling.prompt_logprobs)
     choice_ids = per_choice(request_id, len(prompts) * request.n)
     requests = []
     for index, prompt in enumerate(prompts):
@@ -221,8 +222,8 @@ def _check_common(request: SamplingFields, max_n: int) -> None:
             raise bad_request(f"{name}: must be between 0 and {end - 1}, got {value}", name)
     for name in _CLAMPED:
         value = getattr(request, name, None)
-        if value is not None and value < 1:
-            raise bad_request(f"{name}: must be at least 1, got {value}", name)
+        if value is not None and value < _least_tokens(request):
+            raise bad_request(f"{name}: must be at least 1 (0 with echo), got {value}", name)
     if any(not 0 <= t < _UINT32_END for t in request.stop_token_ids or ()):
         raise bad_request(f"stop_token_ids: token ids must be between 0 and {_UINT32_END - 1}", "stop_token_ids")
     # Ranges, the vocabulary and the count are the frontend's checks (they hold for gRPC clients too); here only
@@ -248,8 +249,8 @@ def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | N
         if (value := getattr(request, name)) is not None:
             setattr(sampling, name, value)
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise bad_request(f"max_tokens: must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens < _least_tokens(request):
+            raise bad_request(f"max_tokens: must be at least 1 (0 with echo), got {max_tokens}", "max_tokens")
         sampling.max_tokens = min(max_tokens, 2**32 - 1)
     if request.temperature is not None:
         sampling.temperature = request.temperature
@@ -262,6 +263,11 @@ def _sampling(request: SamplingFields, max_tokens: int | None, logprobs: int | N
     if request.prompt_logprobs is not None:
         sampling.prompt_logprobs = request.prompt_logprobs
     return sampling
+
+
+def _least_tokens(request: SamplingFields) -> int:
+    """The fewest tokens a request may ask for: 1, or 0 for completions' echo (the prompt alone, as vLLM's)."""
+    return 0 if getattr(request, "echo", False) else 1
 
 
 def _priority(request: SamplingFields) -> pb.Priority:

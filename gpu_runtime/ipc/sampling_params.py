@@ -15,7 +15,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     Stop strings are not here: the frontend owns the text and matches them there.
     """
 
-    max_tokens: int = 16  # tokens to generate at most; the context length also stops a sequence
+    # Tokens to generate at most; the context length also stops a sequence. 0 with prompt_logprobs: the prompt is
+    # only scored (completions' echo with max_tokens 0) and the request ends with finish reason LENGTH.
+    max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
@@ -42,7 +44,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        require(is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", "an integer >= 1", self.max_tokens)
+        require(self.max_tokens > 0 or self.prompt_logprobs is not None, "max_tokens",
+                "an integer >= 1 (0 only with prompt_logprobs: a prompt to score)", self.max_tokens)  # fmt: skip
         require(is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
         require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)

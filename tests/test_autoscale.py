@@ -146,15 +146,19 @@ def test_prefill_and_decode_pools_scale_apart_each_on_the_spare_groups_of_its_ro
         threads = [threading.Thread(target=keep_prefilling, args=(i,)) for i in range(12)]
         for thread in threads:
             thread.start()
+
+        def three_serving() -> pb.GetLoadResponse | None:  # the load as the autoscaler's answer to it stands
+            loads = daemon.admin.GetLoad(pb.GetLoadRequest())
+            return loads if [s.state for s in loads.schedulers] == ["serving"] * 3 else None
+
         try:
-            daemon.wait_for(lambda: len(_states(daemon)) == 3 and set(_states(daemon).values()) == {"serving"},
-                            timeout=180)  # fmt: skip
+            # Read while the load lasts: once it stops, the extra worker may drain before the threads are joined.
+            loads = daemon.wait_for(three_serving, timeout=180)
         finally:
             stop.set()
             for thread in threads:
                 thread.join(timeout=180)
         assert failures == [] and results and set(results) == {4}
-        loads = daemon.admin.GetLoad(pb.GetLoadRequest())
         assert sorted(s.role for s in loads.schedulers) == ["decode", "prefill", "prefill"]
         assert {d.role for d in loads.autoscale} == {"decode", "prefill"}
         # Quiet: the extra prefill worker drains and retires; the decode worker serves on throughout.

@@ -37,7 +37,8 @@ def test_a_prefill_decode_pair_hands_constrained_requests_over_and_their_outputs
     prompts = [[(5 * i + j) % 250 + 3 for j in range(40)] for i in range(6)]  # two full pages each: handed over
     with Daemon("--device", "cpu=prefill,cpu=decode", "--disagg-min-prompt-tokens", "16") as daemon:
         outputs = [list(daemon.generation.Generate(_constrained(p, CODE, 16), timeout=120)) for p in prompts]
-        assert daemon.metric("tokend:kv_transfer_pages_total") >= len(prompts)  # each handed its pages over
+        # Each handed its pages over (the count reaches /metrics with the workers' next load reports).
+        daemon.wait_for(lambda: daemon.metric("tokend:kv_transfer_pages_total") >= len(prompts), timeout=30)
     for chunks in outputs:
         assert chunks[-1].finish_reason == "stop" and re.fullmatch(CODE, _text(chunks))
 

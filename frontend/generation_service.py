@@ -238,6 +238,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     vocab_size=ready.vocab_size if ready else 0,
                     ready=ready is not None,
                     aliases=[alias for alias, target in self._models.aliases.items() if target == name],
+                    has_chat_template=ready is not None and self._models.chat_template(ready) is not None,
                 )
             )
         return pb.ListModelsResponse(models=models)

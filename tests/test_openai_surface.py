@@ -93,8 +93,9 @@ def test_models_have_root_and_parent_and_each_is_retrievable_by_name_or_alias(da
     assert retrieved.model_dump() == listed.model_dump()
     by_alias = client.models.retrieve(ALIAS)
     assert (by_alias.id, by_alias.root, by_alias.max_model_len) == (ALIAS, MODEL, listed.max_model_len)
+    assert listed.model_extra["has_chat_template"] is True  # the tiny model's tokenizer_config.json has one
     (model,) = daemon.generation.ListModels(pb.ListModelsRequest(), timeout=10).models
-    assert list(model.aliases) == [ALIAS]  # gRPC's ListModels says it too
+    assert list(model.aliases) == [ALIAS] and model.has_chat_template  # gRPC's ListModels says it too
 
 
 def test_retrieving_an_unknown_model_is_openais_404(client):

@@ -192,7 +192,8 @@ def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
 
 def _model_object(model_id: str, model: pb.ModelInfo, created: int) -> dict:
     """OpenAI's model object, with vLLM's additions: `root`, the model the id names (clients such as vLLM's
-    benchmark read it), `parent` (a fine-tune's base; none here) and `max_model_len`."""
+    benchmark read it), `parent` (a fine-tune's base; none here) and `max_model_len`; and whether it serves chat
+    (`has_chat_template`)."""
     return {
         "id": model_id,
         "object": "model",
@@ -201,6 +202,7 @@ def _model_object(model_id: str, model: pb.ModelInfo, created: int) -> dict:
         "root": model.name,
         "parent": None,
         "max_model_len": model.max_model_len,
+        "has_chat_template": model.has_chat_template,
     }
 
 

@@ -136,7 +136,7 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
 
 
 def inputs_of_plan(
-    plan: StepPlan, device: torch.device, sampling: list[Sequence], scored: list[ScoredPrompt] = ()
+    plan: StepPlan, device: torch.device, sampling: list[Sequence], scored: list[ScoredPrompt] | None = None
 ) -> StepInputs:
     """The plan's tensors on `device`, in one host-to-device copy."""
     decode_rows, prefill_rows, num_real_decodes = plan.decode_rows, plan.prefill_rows, plan.num_real_decodes
@@ -156,7 +156,7 @@ def inputs_of_plan(
         return inputs
     rows_at, targets_at = scored_at
     return dataclasses.replace(inputs, scored_rows=tensors[rows_at], scored_targets=tensors[targets_at],
-                               scored=tuple(scored))  # fmt: skip
+                               scored=tuple(scored or ()))  # fmt: skip
 
 
 def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:

@@ -335,10 +335,12 @@ def test_prompt_logprobs_come_from_the_prefill_worker_as_one_process_scores_them
     prompt = _prompts(1, seed=19, longest=300)[0] + list(range(3, 3 + MIN_PROMPT))  # handed over
     request = _request(prompt, 4)
     request.sampling.prompt_logprobs = 2
+    moved = disaggregated.metric("tokend:kv_transfer_pages_total")
     chunks = list(disaggregated.generation.Generate(request, timeout=120))
     scored = [chunk.prompt_logprobs for chunk in chunks if chunk.prompt_logprobs]
     assert len(scored) == 1 and len(scored[0]) == len(prompt)
-    assert disaggregated.log_entries("request_admitted")[-1]["decode_worker"]  # it went the P/D way
+    # It went the P/D way: its pages moved (the count reaches /metrics with the workers' next load reports).
+    disaggregated.wait_for(lambda: disaggregated.metric("tokend:kv_transfer_pages_total") > moved, timeout=30)
     with LLM(TINY_RANDOM_MODEL_NAME) as llm:
         [expected] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=2))
     got = [entry.logprob for entry in scored[0][1:]]

@@ -19,12 +19,18 @@ from gpu_runtime.ipc.messages import RequestDelta
 pytestmark = pytest.mark.fast
 
 
-class _Closable:
+class _Socket:
+    """The worker's input socket as the watcher uses it once the connection dropped: `unmonitored` is set when the
+    watcher has seen the disconnect (it stops monitoring before anything else)."""
+
+    def __init__(self) -> None:
+        self.unmonitored = asyncio.Event()
+
     def close(self, linger=None) -> None:
         pass
 
     def disable_monitor(self) -> None:
-        pass
+        self.unmonitored.set()
 
 
 def _final(request_id: str) -> RequestDelta:
@@ -52,10 +58,10 @@ async def _drained_exit(monkeypatch, final_comes: bool) -> None:
         (state,) = link.schedulers
         state.worker_state = WorkerState.DRAINING
         stream = link.streams.open("req-1", state)
-        watching = asyncio.create_task(link._watch(state, _Closable(), _Closable()))
+        socket = _Socket()
+        watching = asyncio.create_task(link._watch(state, socket, _Socket()))
         disconnect.set()
-        await asyncio.sleep(0)  # the watcher sees the disconnect first, as it may in a real frontend
-        await asyncio.sleep(0)
+        await socket.unmonitored.wait()  # the watcher saw the disconnect first, as it may in a real frontend
         assert not stream.lost and not watching.done()
         if final_comes:
             link.streams.deliver(state, [_final("req-1")])

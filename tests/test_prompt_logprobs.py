@@ -47,13 +47,14 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _check(prompt: list[int], entries, reference: torch.Tensor) -> None:
+def _check(prompt: list[int], entries, reference: torch.Tensor, top: int = TOP) -> None:
+    """Each entry against transformers' log-softmax at its position (and its top `top` values)."""
     assert len(entries) == len(prompt) and entries[0] is None  # the first token has none, as vLLM's
     for position, entry in enumerate(entries[1:]):
         expected = reference[position]
         assert entry.token_id == prompt[position + 1]
         assert abs(entry.logprob - expected[prompt[position + 1]].item()) < TOLERANCE, (len(prompt), position)
-        top_values, _ = expected.topk(TOP)
+        top_values, _ = expected.topk(top)
         assert [value for _, value in entry.top] == pytest.approx(top_values.tolist(), abs=TOLERANCE)
 
 
@@ -96,13 +97,7 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(model_dir, teacher
     with LLM(str(model_dir), max_num_batched_tokens=48, max_num_seqs=8) as llm:
         [output] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "length"
-    _check_logprobs_only(prompt, output.prompt_logprobs, teacher_forced(prompt))
-
-
-def _check_logprobs_only(prompt: list[int], entries, reference: torch.Tensor) -> None:
-    assert len(entries) == len(prompt) and entries[0] is None
-    wanted = [reference[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
-    assert [entry.logprob for entry in entries[1:]] == pytest.approx(wanted, abs=TOLERANCE)
+    _check(prompt, output.prompt_logprobs, teacher_forced(prompt), top=0)
 
 
 @pytest.mark.parametrize(

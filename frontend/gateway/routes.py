@@ -88,18 +88,18 @@ class GatewayRoutes:
     async def _prompt_texts(self, request: Request, body: CompletionRequest) -> list[str]:
         """Each prompt as text, for echo: a string as sent; token ids as the model's tokenizer decodes them."""
         stub = pb_grpc.GenerationStub(self.channel)
-        texts = []
-        for prompt in completion_prompts(body.prompt):
+
+        async def text(prompt: str | list[int]) -> str:
             if isinstance(prompt, str):
-                texts.append(prompt)
-                continue
+                return prompt
             try:
                 reply = await stub.Detokenize(pb.DetokenizeRequest(model=body.model, token_ids=prompt),
                                               metadata=_auth_metadata(request), timeout=10)  # fmt: skip
             except grpc.aio.AioRpcError as error:
                 raise from_grpc(error.code(), error.details(), chat=False) from None
-            texts.append(reply.text)
-        return texts
+            return reply.text
+
+        return list(await asyncio.gather(*(text(prompt) for prompt in completion_prompts(body.prompt))))
 
     async def _generate(
         self, request: Request, body, grpc_requests, chat: bool, wants_logprobs: bool, echo: list[str] | None = None

@@ -21,8 +21,8 @@ _FAST = """
     scheduler_keepalive scheduler_state_machine text_stream
 """
 _ENGINE = """
-    attention_backends cpu_weights engine_exactness prompt_logprobs engine_phase_timings engine_requests generation_defaults gguf gpu
-    kv_transfer latency load_progress loader memory_budget meta_loading penalties prefix_caching sampler
+    attention_backends cpu_weights engine_exactness engine_phase_timings engine_requests generation_defaults gguf gpu
+    kv_transfer latency load_progress loader memory_budget meta_loading penalties prefix_caching prompt_logprobs sampler
     scheduler_priority serve_config static_batching step_oom
 """
 _DAEMON = """

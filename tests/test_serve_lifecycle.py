@@ -50,9 +50,11 @@ def test_sigterm_under_load_finishes_in_flight_streams_refuses_new_ones_and_exit
     with Daemon("--config", str(config)) as daemon:
         session = daemon.session_pids()
         assert len(session) >= 3  # the daemon, its frontend and its scheduler
+        # One stream runs long, so that the drain is certainly under way when the late request comes.
+        lengths = [300] * 5 + [1500]
         requests = [
-            pb.GenerateRequest(prompt=f"load {i}", sampling=pb.SamplingParams(max_tokens=300, ignore_eos=True))
-            for i in range(6)
+            pb.GenerateRequest(prompt=f"load {i}", sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, n in enumerate(lengths)
         ]
         started = threading.Barrier(len(requests) + 1)
 
@@ -72,7 +74,7 @@ def test_sigterm_under_load_finishes_in_flight_streams_refuses_new_ones_and_exit
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             results = [future.result(timeout=180) for future in futures]
         assert all(chunks[-1].finish_reason == "length" for chunks in results)
-        assert all(chunks[-1].usage.completion_tokens == 300 for chunks in results)
+        assert [chunks[-1].usage.completion_tokens for chunks in results] == lengths
         assert daemon.process.wait(timeout=180) == 0
         assert not [pid for pid in session if _alive(pid)], "every child is reaped"
         # A whole life of the daemon, start to drained exit, left only JSON records (uvicorn's own included).

@@ -6,11 +6,17 @@ import { apiError } from "./chat_stream.js";
 import { $, element } from "./dom.js";
 
 const REFRESH_MS = 1500;
+// While this page's own answer streams: its figures move every step and the user is watching them (the scheduler
+// reports every 0.2 s).
+const STREAMING_REFRESH_MS = 400;
 // A report older than this means the scheduler stopped reporting (the daemon's liveness timeout is 2 s).
 const STALE_S = 5;
 
+/** Starts the panel; returns { refresh, setStreaming }: refresh reads the load now, setStreaming(true) makes the
+ * panel refresh quicker until setStreaming(false). */
 export function startLoadPanel(authHeaders) {
   let timer = null;
+  let streaming = false;
   let latest = 0; // a key change starts a refresh while one may be under way: only the latest one counts
   const refresh = async () => {
     const mine = ++latest;
@@ -22,14 +28,18 @@ export function startLoadPanel(authHeaders) {
       }
     } finally {
       // After the answer, not on a fixed beat: a slow server never gets overlapping calls.
-      if (mine === latest) timer = setTimeout(refresh, REFRESH_MS);
+      if (mine === latest) timer = setTimeout(refresh, streaming ? STREAMING_REFRESH_MS : REFRESH_MS);
     }
+  };
+  const setStreaming = (on) => {
+    streaming = on;
+    refresh();
   };
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden) refresh();
   });
   refresh();
-  return refresh; // to call at once when the API key changes
+  return { refresh, setStreaming };
 }
 
 /** [the status line, the schedulers' reports] */

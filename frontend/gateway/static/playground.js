@@ -64,6 +64,7 @@ async function send() {
   updateTurn(view, answer, true);
   controller = new AbortController();
   setBusy(true);
+  load.setStreaming(true);
   try {
     for await (const chunk of streamChat(body, authHeaders(), controller.signal)) {
       usage = chunk.usage ?? usage;
@@ -91,6 +92,7 @@ async function send() {
     conversation.save();
     updateTurn(view, answer, false);
     setBusy(false);
+    load.setStreaming(false);
   }
 }
 
@@ -134,9 +136,9 @@ $("prompt").addEventListener("keydown", (event) => {
   }
 });
 
-const refreshLoad = startLoadPanel(authHeaders);
+const load = startLoadPanel(authHeaders);
 $("api-key").addEventListener("change", () => {
   loadModels();
-  refreshLoad();
+  load.refresh();
 });
 loadModels();

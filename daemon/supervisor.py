@@ -70,6 +70,8 @@ class Supervisor:
         # which a frontend starts with), so a replay of an old update is refused and a lost one is sent again.
         self._tenants_version = self._tenants_applied = 0
         self._tenants_resend_at = 0.0
+        # The tenants version whose acknowledgement ends the reload systemd was told of (None: none under way).
+        self._reload_done_at_version: int | None = None
 
     @property
     def children(self) -> list[Child]:
@@ -181,9 +183,7 @@ class Supervisor:
                 self._tenants_applied = 0  # it starts with the configuration's own tenants
                 self._tenants_resend_at = 0.0
             elif isinstance(message, TenantsApplied):
-                if message.version > self._tenants_applied:
-                    self.log.info("tenants_acknowledged", version=message.version)
-                self._tenants_applied = max(self._tenants_applied, message.version)
+                self._tenants_acknowledged(message.version)
             elif isinstance(message, ScaleCommand):
                 if message.model_name in self.pool.rollouts:
                     self.pool.scale(message.model_name, message.serving, message.standby, message.reason, message.pool)
@@ -221,22 +221,40 @@ class Supervisor:
         )
 
     def _reload_tenants(self) -> None:
-        """SIGHUP: the tenants (keys, priorities, quotas) again from the configuration; a bad file changes nothing."""
+        """SIGHUP: the tenants (keys, priorities, quotas) again from the configuration; a bad file changes nothing.
+        systemd hears RELOADING=1 now and READY=1 once the frontend applied the tenants or the file was refused."""
+        if self._serving:  # before the first READY=1, systemd is still waiting for the start to finish
+            self.notifier.reloading()
         if self._reload_config is None:
-            self.log.warning("config_reload_refused", error="this daemon was not started from a configuration")
+            self._reload_refused("this daemon was not started from a configuration", self.log.warning)
             return
         from daemon.config_reload import reload_tenants
 
         try:
             reloaded = reload_tenants(self.config, self._reload_config)
         except (ValueError, TypeError) as error:
-            self.log.error("config_reload_refused", error=str(error), detail="the previous configuration stays")
+            self._reload_refused(str(error), self.log.error)
             return
         self.config = reloaded.config
         self.log.info("config_reloaded", changes=reloaded.changes, needs_restart=reloaded.needs_restart)
         self._tenants_version += 1
         self._tenants_resend_at = 0.0
+        if self._serving:
+            self._reload_done_at_version = self._tenants_version
         self._send_tenants()
+
+    def _reload_refused(self, error: str, log) -> None:
+        log("config_reload_refused", error=error, detail="the previous configuration stays")
+        if self._serving:
+            self.notifier.reloaded(f"serving; the configuration reload was refused: {error}"[:400])
+
+    def _tenants_acknowledged(self, version: int) -> None:
+        if version > self._tenants_applied:
+            self.log.info("tenants_acknowledged", version=version)
+        self._tenants_applied = max(self._tenants_applied, version)
+        if self._reload_done_at_version is not None and self._tenants_applied >= self._reload_done_at_version:
+            self._reload_done_at_version = None
+            self.notifier.reloaded("serving; configuration reloaded")
 
     def _is_serving(self) -> bool:
         """Our own listeners are bound (so the probes below reach our processes, not whoever held a port before
@@ -245,7 +263,6 @@ class Supervisor:
         return listening and self._frontend_is_serving() and self._gateway_is_serving()
 
     def _announce_serving(self) -> None:
-        self.notifier.ready()
         listeners = listeners_of(self.config)
         self.log.info(
             "serving",
@@ -258,6 +275,7 @@ class Supervisor:
         if sys.stderr.isatty():  # a person at a terminal: the JSON above is for the journal
             models = [model.name for model in self.config.served_models()]
             print(banner(models, listeners), file=sys.stderr, flush=True)
+        self.notifier.ready()  # last: whoever waits for it finds the record above written
 
     def _frontend_is_serving(self) -> bool:
         import grpc  # only the supervisor's readiness probe needs it

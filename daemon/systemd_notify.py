@@ -1,10 +1,13 @@
-"""sd_notify: tells systemd READY=1 / STOPPING=1 / WATCHDOG=1 over $NOTIFY_SOCKET (a no-op outside systemd)."""
+"""sd_notify: tells systemd READY=1 / RELOADING=1 / STOPPING=1 / WATCHDOG=1 over $NOTIFY_SOCKET (a no-op outside
+systemd). RELOADING=1 then READY=1 around a SIGHUP is the protocol of Type=notify-reload (systemd 253): with it,
+`systemctl reload` returns once the reload is done (or refused), not when the signal is sent."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
+import time
 
 
 class SystemdNotifier:
@@ -26,6 +29,14 @@ class SystemdNotifier:
 
     def ready(self) -> None:
         self.notify("READY=1\nSTATUS=serving")
+
+    def reloading(self) -> None:
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS=reloading the configuration")
+
+    def reloaded(self, status: str) -> None:
+        """The reload is over, taken or refused: `status` says which."""
+        self.notify(f"READY=1\nSTATUS={status}")
 
     def stopping(self) -> None:
         self.notify("STOPPING=1\nSTATUS=draining")

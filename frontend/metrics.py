@@ -13,6 +13,7 @@ from frontend.metrics_server import start_metrics_server, start_socket_metrics_s
 from frontend.request_phases import RequestPhases
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import LoadReport
+from gpu_runtime.ipc.rejected_messages import FORGED, MALFORMED
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -206,8 +207,16 @@ class FrontendMetrics:
             registry=r,
         )
         self.requests_in_flight = Gauge("tokend:requests_in_flight", "Generate calls open in the frontend", registry=r)
+        self.ipc_messages_rejected = Counter(
+            "tokend:ipc_messages_rejected",
+            "Messages refused on the frontend-scheduler channels, by receiver (frontend or a worker) and reason "
+            "(malformed, forged): peers never send either",
+            ["receiver", "reason"],
+            registry=r,
+        )
         # Cumulative counters in the last report of each scheduler incarnation, to turn reports into increments.
         self._last_counts: dict[tuple[str, str], tuple[str, tuple[float, ...]]] = {}
+        self._last_rejections: dict[str, tuple[str, int, int]] = {}  # worker id: (incarnation, malformed, forged)
 
     def serve(self, host: str, port: int, token_sha256: str = "") -> None:
         start_metrics_server(host, port, self.registry, token_sha256)
@@ -248,6 +257,21 @@ class FrontendMetrics:
         for (counter, total), last in zip(counters, before, strict=True):
             counter.labels(*labels).inc(max(0, total - last))
         self._last_counts[labels] = (report.incarnation, tuple(total for _, total in counters))
+        self._count_rejections(report)
+
+    def _count_rejections(self, report: LoadReport) -> None:
+        incarnation, malformed, forged = self._last_rejections.get(report.worker_id, (report.incarnation, 0, 0))
+        if incarnation != report.incarnation:
+            malformed = forged = 0
+        for reason, total, last in ((MALFORMED, report.messages_malformed, malformed),
+                                    (FORGED, report.messages_forged, forged)):  # fmt: skip
+            if total > last:
+                self.ipc_messages_rejected.labels(report.worker_id, reason).inc(total - last)
+        self._last_rejections[report.worker_id] = (report.incarnation, report.messages_malformed,
+                                                   report.messages_forged)  # fmt: skip
+
+    def frontend_rejected(self, reason: str) -> None:
+        self.ipc_messages_rejected.labels("frontend", reason).inc()
 
     def scheduler_lost(self, model_name: str, group: str) -> None:
         """A dead scheduler holds nothing: its gauges go back to their baseline."""

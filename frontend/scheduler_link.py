@@ -51,6 +51,7 @@ from gpu_runtime.ipc.messages import (
     scheduler_codec,
 )
 from gpu_runtime.ipc.peer_auth import TO_FRONTEND, PeerAuth, read_secret
+from gpu_runtime.ipc.rejected_messages import FORGED, MALFORMED, RejectedMessages
 
 _NONCE_BYTES = 16
 
@@ -83,6 +84,7 @@ class SchedulerLink:
         self._tasks: list[asyncio.Task] = []
         self._failed_kinds: set[str] = set()  # exception types already logged with a traceback
         self.on_load: Callable[[SchedulerState, LoadReport], None] = lambda state, report: None
+        self.rejected = RejectedMessages()  # what came in on the schedulers' channel and was refused
         self.on_lost: Callable[[SchedulerState], None] = lambda state: None
         # Every final delta whose request this link does not know: a request of a previous frontend, whose
         # scheduler aborted it when this frontend said hello (or that ended while no frontend was there), or
@@ -308,6 +310,7 @@ class SchedulerLink:
                     raise ValueError(f"{len(frames)} frames, not one message and its seal")
                 message = self._from_scheduler.decode(data)
             except Exception as error:  # RecursionError included (see Codec.decode)
+                self.rejected.count(MALFORMED)
                 self._log.warning(
                     "dropped_bad_message", bytes=len(data), error_type=type(error).__name__, error=str(error)[:200]
                 )
@@ -353,6 +356,7 @@ class SchedulerLink:
 
     def _on_ready(self, state: SchedulerState, message: SchedulerReady) -> None:
         if not self._auth.ready_is_genuine(message.worker_id, message.incarnation, message.proof, message.kv_address):
+            self.rejected.count(FORGED)
             self._log.warning("forged_message", channel=TO_FRONTEND, kind="SchedulerReady", worker=message.worker_id,
                               pid=message.pid)  # fmt: skip
             return
@@ -387,6 +391,7 @@ class SchedulerLink:
         return refused is None
 
     def _forged(self, state: SchedulerState, message: ToFrontend, reason: str) -> None:
+        self.rejected.count(FORGED)
         self._log.warning("forged_message", channel=TO_FRONTEND, kind=type(message).__name__,
                           worker=state.address.worker_id, reason=reason)  # fmt: skip
 

@@ -55,6 +55,7 @@ async def serve(spec: FrontendSpec, log) -> None:
     lifecycle = Lifecycle(health_servicer, link)
     link.on_load = lambda state, report: metrics.observe_load(state.address.model_name, state.address.group, report)
     link.on_lost = lambda state: metrics.scheduler_lost(state.address.model_name, state.address.group)
+    link.rejected.on_count = metrics.frontend_rejected
     models = ModelCatalog(link, spec.default_model, spec.aliases)
     authenticator = Authenticator(spec.tenants)
     ledger = UsageLedger(spec.state_dir, log)

@@ -322,6 +322,13 @@ def daemon():
         yield running
 
 
+def _rejected(daemon: Daemon, **labels: str) -> dict[str, float]:
+    return {
+        reason: daemon.metric("tokend:ipc_messages_rejected_total", reason=reason, **labels)
+        for reason in ("malformed", "forged")
+    }
+
+
 def test_deep_and_forged_messages_on_a_daemons_sockets_are_dropped_while_a_stream_goes_on(daemon):
     runtime = daemon.runtime_dir()
     (scheduler,) = daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers
@@ -350,7 +357,13 @@ def test_deep_and_forged_messages_on_a_daemons_sockets_are_dropped_while_a_strea
                 push.close()
         finally:
             context.term()
-        daemon.wait_for(lambda: len(daemon.log_entries("forged_message")) >= 3, timeout=10)
+        # Counted as they are refused; the schedulers' counts come in their next load report (5 a second).
+        rejected = {"malformed": 2, "forged": 3}
+        daemon.wait_for(lambda: _rejected(daemon) == rejected, timeout=10)
+        assert {receiver: _rejected(daemon, receiver=receiver) for receiver in ("frontend", scheduler.worker_id)} == {
+            "frontend": {"malformed": 1, "forged": 1},
+            scheduler.worker_id: {"malformed": 1, "forged": 2},
+        }
         chunks = [first, *rest.result(timeout=120)]
     dropped = daemon.log_entries("dropped_bad_message", error_type="RecursionError")
     assert sorted(r["process"] for r in dropped) == ["frontend", "scheduler"]

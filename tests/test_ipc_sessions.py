@@ -136,7 +136,7 @@ def test_a_forged_or_replayed_request_is_dropped_and_logged_and_the_reader_goes_
         (None, "bad_mac"),
         ("FrontendHello", "replayed"),
     ]
-    assert {f["channel"] for f in forged} == {TO_SCHEDULER} and reader.num_dropped == len(forged)
+    assert {f["channel"] for f in forged} == {TO_SCHEDULER} and reader.rejected.forged == len(forged)
 
 
 def test_the_output_thread_seals_on_the_readers_session_and_sends_only_readies_without_one(tmp_path):

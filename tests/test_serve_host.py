@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 from daemon_harness import ROOT, Daemon, free_port
+from harness.systemd_socket import NotifySocket
 
 HOST = "127.0.0.2"  # loopback, but not 127.0.0.1: a listener still bound there would not answer here
 
@@ -30,14 +31,15 @@ def _refused(host: str, port: int) -> bool:
 
 
 def test_every_listener_binds_the_given_host_and_only_it():
-    with Daemon(host=HOST) as daemon:
+    with NotifySocket() as systemd, Daemon(host=HOST, env=systemd.env) as daemon:
         assert daemon.generate("over the host", max_tokens=3, ignore_eos=True)[-1].finish_reason == "length"
         with urllib.request.urlopen(f"http://{HOST}:{daemon.http_port}/health", timeout=10) as reply:
             assert reply.status == 200
         assert daemon.metric("tokend:requests_in_flight") == 0  # /metrics on the host too
         for port in (daemon.grpc_port, daemon.http_port, daemon.metrics_port):
             assert _refused("127.0.0.1", port), port
-        (serving,) = daemon.wait_for(lambda: daemon.log_entries("serving"), timeout=30)
+        systemd.wait_for("READY=1")  # the daemon writes its ready record, then tells systemd
+        (serving,) = daemon.log_entries("serving")
         assert serving["host"] == HOST
         assert serving["urls"] == {  # where to point a client, in the ready record (and the terminal banner)
             "grpc": f"{HOST}:{daemon.grpc_port}",

@@ -9,6 +9,7 @@ import signal
 import grpc
 import pytest
 from daemon_harness import Daemon
+from harness.systemd_socket import NotifySocket
 
 from tokend.v1 import tokend_pb2 as pb
 
@@ -61,24 +62,26 @@ def _finish(opened) -> int:
     return tokens + sum(len(response.token_ids) for response in stream)
 
 
-def _refused_reload(daemon: Daemon, event: str) -> dict:
-    """Sends SIGHUP and returns the daemon's log record of the reload (`event`) that answered it. Only for a reload
-    that is refused: it changes nothing an API shows, so its log record, what an operator reads, is the check."""
-    before = len(daemon.log_entries(event))
+def _reload(daemon: Daemon, systemd: NotifySocket) -> str:
+    """Sends SIGHUP as `systemctl reload` does and waits, as systemd does, for RELOADING=1 and then READY=1: the
+    reload is over, taken or refused. Returns the STATUS= systemd shows for it."""
     daemon.process.send_signal(signal.SIGHUP)
-    return daemon.wait_for(lambda: daemon.log_entries(event)[before:], timeout=30)[0]
+    reloading = systemd.wait_for("RELOADING=1", after=len(systemd.messages), timeout=30)
+    done = systemd.messages[systemd.wait_for("READY=1", after=reloading + 1, timeout=30)]
+    return next(line.removeprefix("STATUS=") for line in done.splitlines() if line.startswith("STATUS="))
 
 
 def test_sighup_adds_and_removes_tenants_with_no_stream_interrupted(config_file):
-    with Daemon("--config", str(config_file)) as daemon:
+    with NotifySocket() as systemd, Daemon("--config", str(config_file), env=systemd.env) as daemon:
+        systemd.wait_for("READY=1")
         processes = sorted(daemon.child_pids("tokend: "))
         streams = {name: _open_stream(daemon, name) for name in ("alice", "carol")}
         assert _refusal(daemon, "bob") == grpc.StatusCode.UNAUTHENTICATED
 
         config_file.write_text("max_queued_requests = 7\n" + _tenants("alice", "bob"))
-        daemon.process.send_signal(signal.SIGHUP)
-        # Reloaded once the frontend takes the new tenants; the daemon logged its report before it sent them.
-        daemon.wait_for(lambda: _refusal(daemon, "bob") is None, timeout=30)
+        # READY=1 comes once the frontend has taken the new tenants: bob's key works from then on.
+        assert _reload(daemon, systemd) == "serving; configuration reloaded"
+        assert _refusal(daemon, "bob") is None
         (reloaded,) = daemon.log_entries("config_reloaded")
 
         assert _refusal(daemon, "carol") == grpc.StatusCode.UNAUTHENTICATED
@@ -99,15 +102,18 @@ def test_sighup_adds_and_removes_tenants_with_no_stream_interrupted(config_file)
 
 
 def test_a_bad_file_is_refused_whole_and_the_running_tenants_stay(config_file):
-    with Daemon("--config", str(config_file)) as daemon:
+    with NotifySocket() as systemd, Daemon("--config", str(config_file), env=systemd.env) as daemon:
+        systemd.wait_for("READY=1")
         # Bob is fine, the third tenant's hash is not: bob is not taken either.
         config_file.write_text(_tenants("alice", "bob") + '[[tenants]]\nname = "eve"\napi_key_sha256 = "abc"\n')
-        refused = _refused_reload(daemon, "config_reload_refused")
-        assert refused["error"].startswith("tenants[2].api_key_sha256:")
+        refused = "serving; the configuration reload was refused: "
+        assert _reload(daemon, systemd).startswith(refused + "tenants[2].api_key_sha256:")
 
         config_file.write_text("")  # no tenants at all would turn authentication off
-        refused = _refused_reload(daemon, "config_reload_refused")
-        assert refused["error"].startswith("tenants:")
+        assert _reload(daemon, systemd).startswith(refused + "tenants:")
+        # The operator reads the same in the log (systemd shows the STATUS= line).
+        errors = [record["error"] for record in daemon.log_entries("config_reload_refused")]
+        assert [error.split(":")[0] for error in errors] == ["tenants[2].api_key_sha256", "tenants"]
 
         assert daemon.process.poll() is None
         assert {name: _refusal(daemon, name) for name in KEYS} == {

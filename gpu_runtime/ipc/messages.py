@@ -201,6 +201,9 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     kv_pull_seconds: float = 0.0
     kv_pull_failures: int = 0
     kv_leases_held: int = 0
+    # Messages this scheduler refused since the process started (gpu_runtime.ipc.rejected_messages).
+    messages_malformed: int = 0
+    messages_forged: int = 0
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport

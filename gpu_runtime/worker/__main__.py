@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
                         transport=spec.kv_transfer_transport)  # fmt: skip
     if spec.role == Role.PREFILL:
         handover.start_server()
-    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log, handover, incarnation=incarnation)
+    loop = SchedulerLoop(spec, engine, inbox, writer, auth, log, handover, incarnation=incarnation,
+                         rejected=reader.rejected)  # fmt: skip
     Path(spec.heartbeat_path).touch()  # from here on the loop keeps it fresh
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: loop.stop())

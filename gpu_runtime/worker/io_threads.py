@@ -25,6 +25,7 @@ from gpu_runtime.ipc.messages import (
     scheduler_codec,
 )
 from gpu_runtime.ipc.peer_auth import TO_SCHEDULER, PeerAuth, Session
+from gpu_runtime.ipc.rejected_messages import FORGED, MALFORMED, RejectedMessages
 
 _POLL_MS = 100  # how often a blocked thread looks at its stop flag (and the writer at its connection)
 # While the engine thread is inside one long step (a big prompt chunk on a slow machine can take seconds), the
@@ -65,7 +66,7 @@ class InputReader(threading.Thread):
         self._nonces: set[bytes] = set()  # of every hello taken (a few per frontend restart)
         self._stopped = threading.Event()
         self._log = log
-        self.num_dropped = 0
+        self.rejected = RejectedMessages()
 
     def run(self) -> None:
         while not self._stopped.is_set():
@@ -100,7 +101,7 @@ class InputReader(threading.Thread):
             return self._codec.decode(data)
         except Exception as error:  # RecursionError included (see Codec.decode)
             # Never fall back to another decoder: unchecked bytes are how pickle exploits get in.
-            self.num_dropped += 1
+            self.rejected.count(MALFORMED)
             self._log.warning(
                 "dropped_bad_message", bytes=len(data), error_type=type(error).__name__, error=str(error)[:200]
             )
@@ -118,7 +119,7 @@ class InputReader(threading.Thread):
         return hello
 
     def _forged(self, **fields) -> None:
-        self.num_dropped += 1
+        self.rejected.count(FORGED)
         self._log.warning("forged_message", channel=TO_SCHEDULER, **fields)
         return None
 

@@ -26,6 +26,7 @@ from gpu_runtime.ipc.messages import (
     ToScheduler,
 )
 from gpu_runtime.ipc.peer_auth import PeerAuth
+from gpu_runtime.ipc.rejected_messages import RejectedMessages
 from gpu_runtime.kv_transfer.puller import PagesPulled
 from gpu_runtime.kv_transfer.server import LeasePulled
 from gpu_runtime.step_failure import StepOutOfMemory
@@ -60,8 +61,10 @@ class SchedulerLoop:
         log,
         handover: Handover | None = None,
         incarnation: str | None = None,
+        rejected: RejectedMessages | None = None,
     ):
         self.spec = spec
+        self._rejected = rejected or RejectedMessages()  # the input thread's counts, which load reports carry
         # Disaggregated serving's part here (leases on a prefill worker, pulls on a decode worker); None: neither,
         # and a request that names pages elsewhere is simply computed here whole.
         self.handover = handover
@@ -322,6 +325,8 @@ class SchedulerLoop:
                 generation=self.engine.generation,
                 draining=self._drain is not None,
                 **self._handover_load(),
+                messages_malformed=self._rejected.malformed,
+                messages_forged=self._rejected.forged,
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

@@ -255,6 +255,7 @@ class AdmissionController:
             if not self._link.ready_schedulers(model) and not self._link.expects_capacity(model):
                 self._fail_queued(model, pool)
             pool.note_interactive_demand(now)  # at every change of demand: arrivals, dispatches, ends all pump
+            self._metrics.admission_batch_slots.labels(model).set(self._spare_slots(model, pool))
             for priority in Priority:
                 while (ticket := self._next_ticket(pool, priority)) is not None:
                     if priority == Priority.BATCH and pool.in_flight[priority] >= self._spare_slots(model, pool):

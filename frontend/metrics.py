@@ -189,6 +189,13 @@ class FrontendMetrics:
         )
         for priority in Priority:  # present from the start: a router reads a missing series as no data, not 0
             self.admission_queue_depth.labels(priority.label).set(0)
+        self.admission_batch_slots = Gauge(
+            "tokend:admission_batch_slots",
+            "Slots batch requests may hold now: the ready schedulers' slots less interactive work's peak demand "
+            "over the last few seconds",
+            model,
+            registry=r,
+        )
         self.structured_output_compile_seconds = Histogram(
             "tokend:structured_output_compile_seconds",
             "Compiling a structured output's spec (schema, regex, choice, grammar) not in the cache, in the frontend",

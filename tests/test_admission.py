@@ -222,7 +222,9 @@ def test_batch_work_gets_only_the_slots_interactive_work_left_spare_lately(limit
                 task.cancel()
             await asyncio.gather(*filling, return_exceptions=True)
             right_after = await _stream(stub, _request(352, 5), "a")  # may wait 0.5 s: the window is longer
-            await asyncio.sleep(SPARE_WINDOW_S)
+            assert _batch_slots(limited) < 2
+            # Interactive work's peak leaves the window (SPARE_WINDOW_S) and batch gets both slots back.
+            await asyncio.to_thread(limited.wait_for, lambda: _batch_slots(limited) == 2, SPARE_WINDOW_S + 30)
             later = await _stream(stub, _request(353, 5), "a")
             return right_after, later
 
@@ -231,8 +233,13 @@ def test_batch_work_gets_only_the_slots_interactive_work_left_spare_lately(limit
     assert later["code"] is None and later["tokens"] == 5
 
 
+def _batch_slots(daemon) -> float:
+    return daemon.metric("tokend:admission_batch_slots", model_name=TINY_RANDOM_MODEL_NAME)
+
+
 def test_a_batch_request_that_waits_too_long_is_shed(limited):
-    time.sleep(SPARE_WINDOW_S + 0.5)  # past earlier tests' interactive peaks, when batch keeps slots free
+    # Past earlier tests' interactive peaks, when batch keeps slots free.
+    limited.wait_for(lambda: _batch_slots(limited) == 2, SPARE_WINDOW_S + 30)
 
     async def scenario():
         async with grpc.aio.insecure_channel(limited.address) as channel:

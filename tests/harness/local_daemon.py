@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.exit_codes import EXIT_CONFIG_ERROR
 from daemon.admin_token import read_admin_token
 from frontend.usage_ledger import LEDGER_FILE, connect
 from gpu_runtime.default_model import TINY_RANDOM_MODEL_NAME
@@ -40,6 +41,13 @@ def _is_notable(line: str) -> bool:
     if not line.startswith("{"):
         return bool(line.strip())
     return '"level": "info"' not in line and '"level": "debug"' not in line
+
+
+START_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The daemon could not listen on a port picked for it: another process took it meanwhile."""
 
 
 def free_port() -> int:
@@ -140,6 +148,20 @@ class LocalDaemon:
         return f"http://{self.host}:{self.http_port}"
 
     def __enter__(self) -> LocalDaemon:
+        """Starts the daemon and waits until it serves. A port picked free can be taken before the daemon binds it
+        (by any process's outgoing connection: the picks come from the ephemeral range): the daemon then exits 78
+        naming it, and it starts again on new ports, up to START_ATTEMPTS times."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start()
+                return self
+            except PortTaken:
+                if attempt == START_ATTEMPTS:
+                    raise
+                self.grpc_port, self.metrics_port, self.http_port = free_ports(3)
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
         command = [
             sys.executable, "-m", "daemon.cli", "serve",
             "--grpc-port", str(self.grpc_port),
@@ -157,14 +179,24 @@ class LocalDaemon:
         try:
             self.wait_serving(self.ready_timeout)
             self.wait_for(self.gateway_is_serving, timeout=self.ready_timeout)
+        except RuntimeError as error:
+            self._stop()
+            if self.process.returncode == EXIT_CONFIG_ERROR and "Address already in use" in str(error):
+                raise PortTaken(str(error)) from None
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            raise
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         if exc[0] is not None and self.log_path.exists():  # pytest shows a failed test's stderr
             print(f"tokend serve's log ({exc[0].__name__} in its context):\n{self.failure_report()}", file=sys.stderr)
+        self._stop()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _stop(self) -> None:
+        """The daemon's process tree stopped (SIGTERM, then SIGKILL), its channel closed; its state kept."""
         if self.channel is not None:
             self.channel.close()
         if self.process is not None and self.process.poll() is None:
@@ -175,7 +207,6 @@ class LocalDaemon:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)  # anything left of the tree
             self.process.wait()
-        shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # -- clients --------------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import structlog
 from common.chat_template import ChatTemplateError, chat_options
 from frontend.admission import AdmissionController
 from frontend.auth_interceptor import calling_tenant
+from frontend.embeddings import EmbedRequests
 from frontend.errors import RequestError, invalid
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter
@@ -65,6 +66,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._tokenize = tokenize
         self.grammars = GrammarChecks(metrics)
         self.sessions = SessionServices(link, admission, meter, metrics, log, disagg_min_prompt_tokens)
+        self._embeddings = EmbedRequests(self.sessions, tokenize, meter)
         # (tenant, request id) of every request from its arrival until it holds no slot -> its session
         self._in_flight: dict[tuple[str, str], RequestSession] = {}
 
@@ -103,10 +105,29 @@ class GenerationService(pb_grpc.GenerationServicer):
             if session is not None:
                 session.finish(outcome)
 
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        arrived = time.monotonic()
+        try:
+            self._lifecycle.enter()
+        except RequestError as error:
+            await context.abort(error.code, error.message, error.trailing_metadata)
+        self._metrics.requests_in_flight.inc()
+        try:
+            model_name, model = self._model_for(request.model, calling_tenant())
+            tokenizer = self._models.tokenizer(model)
+            call = await self._embeddings.prepare(request, calling_tenant(), model_name, model, tokenizer)
+            return await self._embeddings.run(call, arrived, tokenizer)
+        except RequestError as error:
+            await context.abort(error.code, error.message, error.trailing_metadata)
+        finally:
+            self._metrics.requests_in_flight.dec()
+            self._lifecycle.leave()
+
     async def _session(self, request: pb.GenerateRequest, tenant: TenantSpec | None, arrived: float) -> RequestSession:
         """The request validated and tokenized, as a session not yet admitted (its id now counts as in flight)."""
         model_name, model = self._model_for(request.model, tenant)
         check_envelope(request)
+        self._check_generates(model)
         tokenizer = self._models.tokenizer(model)
         calls = None
         try:
@@ -147,6 +168,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         if model is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} has no scheduler up; retry")
         return model_name, model
+
+    @staticmethod
+    def _check_generates(model: SchedulerReady) -> None:
+        if not model.generates:
+            raise invalid(f"model: {model.model_name!r} serves embeddings only (a base model's checkpoint, without "
+                          "lm_head); call Embed")  # fmt: skip
 
     async def Tokenize(self, request: pb.GenerateRequest, context) -> pb.TokenizeResponse:
         try:
@@ -239,6 +266,16 @@ class GenerationService(pb_grpc.GenerationServicer):
                     ready=ready is not None,
                     aliases=[alias for alias, target in self._models.aliases.items() if target == name],
                     has_chat_template=ready is not None and self._models.chat_template(ready) is not None,
+                    **_embedding_info(ready),
                 )
             )
         return pb.ListModelsResponse(models=models)
+
+
+def _embedding_info(ready: SchedulerReady | None) -> dict:
+    """ModelInfo's embedding fields: how Embed pools (empty when it cannot), its vectors' size, whether it generates."""
+    if ready is None:
+        return {}
+    pooling = ready.pooling
+    return dict(pooling="" if pooling.unsupported else str(pooling.type), embedding_size=pooling.hidden_size,
+                generates=ready.generates, matryoshka_dimensions=list(pooling.matryoshka_dimensions))  # fmt: skip

@@ -110,6 +110,7 @@ class RequestSession:
         self.migrated = False  # moved off a retired worker (the final chunk says so); a handover is not that
         self.record: UsageRecord | None = None  # opened once admitted
         self.counts: TokenCounts | None = None  # the request's cost so far; None until a worker said any
+        self.embedding: bytes | None = None  # an embedding request's vector (float32), from its final delta
         self._carry = Carryover(request.message)
         self._held: SchedulerState | None = None  # the decode worker's slot, held while a prefill worker runs
         self._stream: RequestStream | None = None
@@ -187,6 +188,7 @@ class RequestSession:
         while not builder.finished:
             deltas = await _next_deltas(self._stream)
             step = self._step_after(deltas[-1])
+            self.embedding = deltas[-1].embedding or self.embedding
             self.counts = self._carry.count(deltas)
             now = time.monotonic()
             self._phases.on_deltas(deltas, now)

@@ -33,7 +33,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "repetition_penalty",
 )
 
-_PRIORITIES = {
+PRIORITIES = {
     pb.PRIORITY_UNSPECIFIED: None,  # the tenant's default class
     pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
     pb.PRIORITY_BATCH: Priority.BATCH,
@@ -61,7 +61,7 @@ def check_envelope(request: pb.GenerateRequest) -> None:
     # ASCII: it goes back to the client in the x-request-id header, and gRPC metadata is ASCII.
     if len(request_id) > MAX_REQUEST_ID_CHARS or not (request_id.isascii() and request_id.isprintable()):
         raise invalid(f"request_id: must be printable ASCII of at most {MAX_REQUEST_ID_CHARS} characters")
-    if request.priority not in _PRIORITIES:
+    if request.priority not in PRIORITIES:
         raise invalid(f"priority: unknown value {request.priority}")
 
 
@@ -89,7 +89,7 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
             f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages, "
             f"but the whole cache holds {model.num_pages}"
         )
-    return PreparedRequest(token_ids, params, stop, _PRIORITIES[request.priority])
+    return PreparedRequest(token_ids, params, stop, PRIORITIES[request.priority])
 
 
 def _sampling_params(

@@ -25,8 +25,10 @@ from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.memory_profile import load_model_and_pool
 from gpu_runtime.model.config import load_capped_model_config
+from gpu_runtime.model.pooling_config import model_pooling
 from gpu_runtime.model.tensor_parallel import check_divisible
 from gpu_runtime.model_runner import ModelRunner
+from gpu_runtime.pooling import PooledChunk, embedding_bytes
 from gpu_runtime.prompt_logprobs import append_scores
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import Scheduler, SchedulerOutput
@@ -60,6 +62,7 @@ class LLMEngine:
         # fields a request set); a bad default fails the model's start, naming the file.
         self.sampling_defaults = load_sampling_defaults(model_dir, config.generation_config)
         self.chat_template = _checked_chat_template(model_dir, config.chat_template)
+        self.pooling = model_pooling(model_dir, self.model_config.hidden_size)  # what its embeddings are
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(model_dir))
         backend = make_attention_backend(config.attention_backend, self.device)
@@ -147,7 +150,12 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
         max_len = self.model_config.max_model_len
-        if len(prompt_token_ids) >= max_len:
+        if params.pooling is not None:
+            self._validate_pooling(len(prompt_token_ids), params)
+        elif not self.model_config.generates:
+            raise ValueError(f"model: {self.model_name!r} serves embeddings only (its checkpoint is a base model "
+                             "without lm_head)")  # fmt: skip
+        elif len(prompt_token_ids) >= max_len:
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate in the context of {max_len}"
             )
@@ -162,6 +170,18 @@ class LLMEngine:
                 f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.num_pages_for(longest)} KV "
                 f"pages, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
             )
+
+    def _validate_pooling(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """An embedding request's checks: the model can embed, the prompt fits its context (it may fill it: nothing
+        is generated), and its dimensions are ones the model was trained to be truncated to."""
+        if self.pooling.unsupported:
+            raise ValueError(f"pooling: model {self.model_name!r} cannot embed: {self.pooling.unsupported}")
+        max_len = self.model_config.max_model_len
+        if num_prompt_tokens > max_len:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens are more than the context of {max_len}")
+        dimensions = params.pooling.dimensions
+        if dimensions is not None and (why := self.pooling.dimensions_error(dimensions)):
+            raise ValueError(f"pooling.dimensions: {why}")
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -222,6 +242,7 @@ class LLMEngine:
             self._append_sampled(seq, token, logprob)
             for seq, token, logprob in zip(inputs.sampling, tokens, logprobs, strict=True)
         ]
+        outputs += [self._finish_embedding(chunk) for chunk in inputs.pooled if chunk.completes]
         seconds = time.perf_counter() - started
         self.scheduler.policy.model.observe(scheduled.num_tokens, scheduled.num_seqs, seconds)
         self.stats.observe_step(scheduled, seconds, self.runner.forward_seconds)
@@ -239,10 +260,12 @@ class LLMEngine:
             # The constrained rows' masks are computed on a thread while the forward runs.
             masks = self._grammar_masks.start(inputs.sampling) if self._grammar_masks else None
             logits, prompt_scores = self.runner.execute(inputs)
-            if masks is not None:
-                masks.apply(logits)
             if prompt_scores is not None:
                 append_scores(list(inputs.scored), prompt_scores)
+            if logits is None:  # a step of embedding requests only: nothing samples
+                return inputs, [], []
+            if masks is not None:
+                masks.apply(logits)
             return inputs, *self.sampler(logits, inputs.sampling)
         except torch.OutOfMemoryError:
             return None
@@ -289,6 +312,16 @@ class LLMEngine:
             prompt_logprobs = [TokenLogprob(seq.prompt_token_ids[0], math.nan, []), *seq.prompt_logprobs]
         return self._delta(seq, new_tokens, new_logprobs, queued_s, error=seq.grammar_error,
                            prompt_logprobs=prompt_logprobs)  # fmt: skip
+
+    def _finish_embedding(self, chunk: PooledChunk) -> RequestDelta:
+        """An embedding request's prompt is computed: it ends here, its pages freed, its vector in the delta."""
+        seq = chunk.seq
+        seq.first_token_time = time.monotonic()
+        queued_s = seq.first_scheduled_time - seq.arrival_time if seq.first_scheduled_time is not None else None
+        seq.finish_reason = FinishReason.STOP
+        self._requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq, seq.finish_reason)
+        return msgspec.structs.replace(self._delta(seq, [], None, queued_s), embedding=embedding_bytes(seq))
 
     def _check_when_idle(self) -> None:
         if self.config.debug_checks and not self.scheduler.has_unfinished():

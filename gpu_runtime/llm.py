@@ -1,7 +1,8 @@
-"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, sampling_params)."""
+"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, sampling_params) and LLM(...).embed(prompts)."""
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence as SequenceABC
 
@@ -9,8 +10,9 @@ from tqdm.auto import tqdm
 
 from gpu_runtime.engine import LLMEngine
 from gpu_runtime.engine_config import EngineConfig
+from gpu_runtime.ipc.pooling import PoolingParams
 from gpu_runtime.ipc.sampling_params import SamplingParams
-from gpu_runtime.outputs import CompletionOutput, RequestOutput
+from gpu_runtime.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 PromptInput = str | dict
 
@@ -56,6 +58,28 @@ class LLM:
         for (request_id, _, token_ids), p in zip(requests, params, strict=True):
             self.engine.add_request(request_id, token_ids, p)
         return self._run(requests, params, use_tqdm if use_tqdm is not None else len(requests) >= 32)
+
+    def embed(
+        self, prompts: PromptInput | SequenceABC[PromptInput], pooling_params: PoolingParams | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (pooled as `pooling_params` says; by default as the model's own
+        sentence-transformers files do), in prompt order; a bad prompt raises ValueError before any runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pooling = self.engine.pooling
+        params = SamplingParams(max_tokens=0, pooling=pooling_params or PoolingParams(pooling.type, pooling.normalize))
+        requests = [(str(next(self._ids)), self._tokenize(p)[1]) for p in prompts]
+        for _, token_ids in requests:
+            self.engine.validate_request(token_ids, params)
+        for request_id, token_ids in requests:
+            self.engine.add_request(request_id, token_ids, params)
+        vectors: dict[str, list[float]] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.embedding is not None:
+                    vectors[out.request_id] = array.array("f", out.embedding).tolist()
+        return [EmbeddingRequestOutput(request_id, token_ids, EmbeddingOutput(vectors[request_id]))
+                for request_id, token_ids in requests]  # fmt: skip
 
     def _params_per_prompt(self, prompts, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:  # as vLLM's LLM: the model's generation_config.json defaults, if any

@@ -10,6 +10,7 @@ import torch
 
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.model.registry import CausalLM
+from gpu_runtime.pooling import pool_chunks
 from gpu_runtime.prompt_logprobs import PromptScores, score_rows
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.step_inputs import StepInputs, StepPlan, inputs_of_plan, plan_step
@@ -17,7 +18,8 @@ from gpu_runtime.tp.step_channel import RunStep, StepChannel
 
 
 class StepLogits(NamedTuple):
-    sampling: torch.Tensor | None  # [sampling rows, vocab] float32; None on a tensor-parallel rank other than 0
+    # [sampling rows, vocab] float32; None on a tensor-parallel rank other than 0, and when no row samples
+    sampling: torch.Tensor | None
     prompt: PromptScores | None  # the scored prompt rows' logprobs (None when no sequence wants them, and off rank 0)
 
 
@@ -37,14 +39,14 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
-        plan, sampling, scored = plan_step(step, self.pool.page_size)
+        plan, sequences = plan_step(step, self.pool.page_size)
         if self.channel is not None:
             self.channel.send(RunStep(plan))
-        return self._planned(inputs_of_plan(plan, self.device, sampling, scored))
+        return self._planned(inputs_of_plan(plan, self.device, sequences))
 
     def prepare_plan(self, plan: StepPlan) -> StepInputs:
         """A tensor-parallel rank's inputs, from rank 0's plan (it samples nothing)."""
-        return self._planned(inputs_of_plan(plan, self.device, []))
+        return self._planned(inputs_of_plan(plan, self.device))
 
     def _planned(self, inputs: StepInputs) -> StepInputs:
         self.model.attention_backend.plan(inputs.meta)
@@ -61,7 +63,12 @@ class ModelRunner:
         """
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.layers, inputs.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        # Every rank alike (the plan's logits rows are the same everywhere): a step of embeddings only samples nothing.
+        logits = None
+        if inputs.logits_rows.numel():
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        if inputs.pooled:
+            pool_chunks(self.model, hidden, inputs.pooled)
         prompt = None
         if inputs.scored_rows is not None:
             scored = hidden.index_select(0, inputs.scored_rows)

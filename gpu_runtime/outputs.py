@@ -1,4 +1,5 @@
-"""What the offline API returns: RequestOutput and CompletionOutput, shaped like vLLM's.
+"""What the offline API returns: RequestOutput and CompletionOutput (EmbeddingRequestOutput for embed), shaped like
+vLLM's.
 
 The engine's own per-step output is gpu_runtime.ipc.messages.RequestDelta, the very struct the frontend reads.
 """
@@ -30,3 +31,16 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM's).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

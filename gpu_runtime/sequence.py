@@ -40,6 +40,10 @@ class Sequence:
     # With params.prompt_logprobs: the prompt tokens' logprobs from its second token on, as the chunks that compute
     # them run (entry i scores prompt token i + 1, from position i's logits); sent with the first token.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.pooling (gpu_runtime.pooling): the prompt positions folded into `pooled` so far, and the running
+    # pool (a [hidden] float32 sum, or the one row its pooling type reads).
+    pooled_positions: int = 0
+    pooled: torch.Tensor | None = None
     cache_salt: str = ""  # folded into the first page's hash: only requests with the same salt share pages
     page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
     # The chained content hash of each full page of its tokens, computed once as the page fills (prefix caching
@@ -75,10 +79,13 @@ class Sequence:
         """Leading tokens whose K/V a prefix-cache hit may supply instead of a forward: all but the last (its logits
         give the next token), and, while the prompt's logprobs are wanted, only the positions already scored (a
         position the cache skips yields no logits). So a request with prompt_logprobs computes its whole prompt
-        once; its pages still enter the cache for the requests after it."""
+        once; its pages still enter the cache for the requests after it. Mean and cls pooling likewise (their
+        hidden states are not cached)."""
         reusable = self.num_tokens - 1
         if self.params.prompt_logprobs is not None:
             reusable = min(reusable, len(self.prompt_logprobs))
+        if self.params.pooling is not None and self.params.pooling.reads_every_position:
+            reusable = min(reusable, self.pooled_positions)
         return reusable
 
     @property

@@ -18,9 +18,20 @@ import msgspec
 import torch
 
 from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PlanRow, PrefillBatch
+from gpu_runtime.pooling import PooledChunk, chunk_to_pool
 from gpu_runtime.prompt_logprobs import ScoredPrompt, rows_to_score
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class StepSequences:
+    """Rank 0's view of a step's rows by sequence: those that sample a token (in logits order), those that score
+    prompt tokens (in scored-row order), and the embedding requests' chunks."""
+
+    sampling: list[Sequence] = dataclasses.field(default_factory=list)
+    scored: list[ScoredPrompt] = dataclasses.field(default_factory=list)
+    pooled: list[PooledChunk] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +46,8 @@ class StepInputs:
     scored_rows: torch.Tensor | None = None
     scored_targets: torch.Tensor | None = None
     scored: tuple[ScoredPrompt, ...] = ()
+    # Embedding requests' chunks (gpu_runtime.pooling): they never sample, so none of them is in `sampling`.
+    pooled: tuple[PooledChunk, ...] = ()
 
     @property
     def scored_top(self) -> int:
@@ -78,22 +91,22 @@ class _HostBuffer:
 
 def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device) -> StepInputs:
     """The step's inputs (its attention backend's `plan` still to run on their metadata)."""
-    plan, sampling, scored = plan_step(step, page_size)
-    return inputs_of_plan(plan, device, sampling, scored)
+    plan, sequences = plan_step(step, page_size)
+    return inputs_of_plan(plan, device, sequences)
 
 
-def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Sequence], list[ScoredPrompt]]:
-    """The step's plan, the sequences that sample a token (in logits order), and those that score prompt tokens."""
+def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, StepSequences]:
+    """The step's plan, and which of its rows are whose."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_rows: list[int] = []
-    sampling: list[Sequence] = []
     decode_rows: list[PlanRow] = []
     prefill_rows: list[PlanRow] = []
     scored_rows: list[int] = []
     scored_targets: list[int] = []
-    scored: list[ScoredPrompt] = []
+    sequences = StepSequences()
+    sampling, scored = sequences.sampling, sequences.scored
     for seq in step.decodes:
         position = seq.num_computed_tokens
         page = seq.page_ids[position // page_size]
@@ -113,11 +126,13 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
                 scored_rows += rows
                 scored_targets += targets
                 scored.append(ScoredPrompt(seq, len(rows)))
+        if seq.params.pooling is not None:
+            sequences.pooled.append(chunk_to_pool(seq, start, end, first_row=len(input_ids)))
         input_ids.extend(seq.token_ids_range(start, end))
         positions.extend(range(start, end))
         pages = seq.page_ids
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
-        if end == seq.num_tokens:  # its last token is in: it samples (a mid-prompt chunk does not)
+        if end == seq.num_tokens and seq.params.pooling is None:  # its last token is in: it samples
             logits_rows.append(len(input_ids) - 1)
             sampling.append(seq)
     num_real_decodes = len(decode_rows)
@@ -132,13 +147,12 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, list[Seq
         positions.append(context - 1)
     plan = StepPlan(input_ids, positions, slots, logits_rows, decode_rows, prefill_rows, num_real_decodes,
                     scored_rows, scored_targets)  # fmt: skip
-    return plan, sampling, scored
+    return plan, sequences
 
 
-def inputs_of_plan(
-    plan: StepPlan, device: torch.device, sampling: list[Sequence], scored: list[ScoredPrompt] | None = None
-) -> StepInputs:
-    """The plan's tensors on `device`, in one host-to-device copy."""
+def inputs_of_plan(plan: StepPlan, device: torch.device, sequences: StepSequences | None = None) -> StepInputs:
+    """The plan's tensors on `device`, in one host-to-device copy (`sequences`: rank 0's; the others have none)."""
+    sequences = sequences or StepSequences()
     decode_rows, prefill_rows, num_real_decodes = plan.decode_rows, plan.prefill_rows, plan.num_real_decodes
     buffer = _HostBuffer()
     ids_at, positions_at = buffer.add(plan.input_ids), buffer.add(plan.positions)
@@ -151,12 +165,13 @@ def inputs_of_plan(
     decode = _decode_batch(tensors, decode_sections, decode_rows)
     prefill = _prefill_batch(tensors, prefill_sections, prefill_rows)
     meta = AttentionMetadata(slot_mapping=tensors[slots_at], decode=decode, prefill=prefill)
-    inputs = StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sampling)
+    inputs = StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sequences.sampling,
+                        pooled=tuple(sequences.pooled))  # fmt: skip
     if scored_at is None:
         return inputs
     rows_at, targets_at = scored_at
     return dataclasses.replace(inputs, scored_rows=tensors[rows_at], scored_targets=tensors[targets_at],
-                               scored=tuple(scored or ()))  # fmt: skip
+                               scored=tuple(sequences.scored))  # fmt: skip
 
 
 def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:

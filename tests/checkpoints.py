@@ -165,3 +165,16 @@ def _perturb_norms(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.2)
+
+
+def write_sentence_transformer(directory: Path, spec: dict, pooling_mode: str) -> Path:
+    """A random checkpoint saved by sentence-transformers itself (its Pooling `pooling_mode`, then Normalize) into
+    `directory`/st: the base model's tensors (no lm_head, no "model." prefix) and a config.json naming the base
+    class ("Qwen3Model"), as embedding models ship."""
+    from sentence_transformers import SentenceTransformer, models
+
+    source = write_checkpoint(directory / "source", spec)
+    transformer = models.Transformer(str(source))
+    pooling = models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)
+    SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu").save(str(directory / "st"))
+    return directory / "st"

@@ -28,7 +28,7 @@ def _step(seed: int = 0):
     chunk = PlanRow(query_start=1, query_len=4, context_len=10, pages=[0, 1, 2])
     slots = [4 * PAGE_SIZE + 0] + list(range(6, 10))  # B's position 4 opens page 4; A's positions 6-9 are pages 1-2
     plan = StepPlan([1] * 5, [4, 6, 7, 8, 9], slots, [0, 4], [decode], [chunk], 1)
-    meta = inputs_of_plan(plan, CPU, []).meta
+    meta = inputs_of_plan(plan, CPU).meta
     q = torch.randn(5, KV_HEADS * GROUP, DIM, generator=generator)
     k, v = torch.randn(5, KV_HEADS, DIM, generator=generator), torch.randn(5, KV_HEADS, DIM, generator=generator)
     return q, k, v, k_pages, v_pages, meta, [(decode, slice(0, 1)), (chunk, slice(1, 5))]

@@ -127,7 +127,7 @@ def test_padded_rows_change_no_real_sequences_output_or_pages(backend):
         rows = len(step.input_ids)
         k_pages, v_pages = (pool.clone() for pool in pools)
         attention = make_attention_backend(backend, CPU)
-        meta = inputs_of_plan(step, CPU, []).meta
+        meta = inputs_of_plan(step, CPU).meta
         attention.plan(meta)
         out = attention.forward(q[:rows], k[:rows], v[:rows], k_pages, v_pages, meta, options)
         results.append((out, k_pages, v_pages))

@@ -25,7 +25,8 @@ def test_every_field_message_enum_and_rpc_carries_a_comment():
 def test_the_stubs_are_generated_from_this_proto():
     services = pb.DESCRIPTOR.services_by_name
     assert pb.DESCRIPTOR.package == "tokend.v1"
-    assert set(services["Generation"].methods_by_name) == {"Generate", "Abort", "ListModels", "Tokenize", "Detokenize"}
+    generation = {"Generate", "Abort", "ListModels", "Tokenize", "Detokenize", "Embed"}
+    assert set(services["Generation"].methods_by_name) == generation
     assert set(services["Admin"].methods_by_name) == {"Drain", "GetLoad", "GetUsage", "Rollout", "GetRollout"}
     assert services["Generation"].methods_by_name["Generate"].server_streaming
     declared = set(re.findall(r"^message (\w+)", PROTO.read_text(), re.MULTILINE))

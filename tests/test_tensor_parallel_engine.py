@@ -1,6 +1,7 @@
 """Tensor parallelism through the engine: LLM(..., tensor_parallel_size=2) starts a second rank process (gloo on the
-CPU) and generates what one process generates, and what transformers does, with prefix caching and chunked prefill
-on; a lost rank is noticed; closing leaves no rank behind; a model whose heads do not split is refused at start."""
+CPU) and generates (and embeds) what one process does, and what transformers does, with prefix caching and chunked
+prefill on; a lost rank is noticed; closing leaves no rank behind; a model whose heads do not split is refused at
+start."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from checkpoints import QWEN2, write_checkpoint
 from conftest import random_prompts, transformers_greedy
 
 from gpu_runtime import LLM, SamplingParams
+from gpu_runtime.ipc.pooling import PoolingParams, PoolingType
 from gpu_runtime.tp.rank_group import RankLost
 
 LLAMA_4Q_2KV = {"kind": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -62,11 +64,15 @@ def test_two_ranks_generate_what_one_process_and_transformers_do(tmp_path, spec)
     with LLM(str(model_dir), **OPTIONS) as one:
         single = one.generate(requests, greedy)
         single_scored = one.generate(requests[:3], scoring)
+        single_embedded = one.embed(requests[:4], PoolingParams(PoolingType.MEAN))
     with LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS) as two:
         assert len(rank_processes()) == 1
         split = two.generate(requests, greedy)
         split_scored = two.generate(requests[:3], scoring)
+        split_embedded = two.embed(requests[:4], PoolingParams(PoolingType.MEAN))  # steps where no row samples
     assert rank_processes() == []  # closing stopped rank 1
+    for a, b in zip(single_embedded, split_embedded, strict=True):
+        assert b.outputs.embedding == pytest.approx(a.outputs.embedding, abs=1e-5)
     for a, b in zip(single_scored, split_scored, strict=True):
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
         assert [e.logprob for e in b.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in a.prompt_logprobs[1:]],

@@ -88,7 +88,7 @@ def build_step(sequences: list[Sequence], page_size: int, group: int, seed: int 
     plan = StepPlan([0] * num_tokens, [0] * num_tokens, slots, [], decode_rows, prefill_rows, len(decode_rows))
     if graph_bucket is not None:
         plan = pad_decode_plan(plan, graph_bucket, null_page=0, page_size=page_size)
-    meta = inputs_of_plan(plan, CPU, []).meta
+    meta = inputs_of_plan(plan, CPU).meta
     shape = (num_pages, page_size, KV_HEADS, HEAD_DIM)
     k_pages, v_pages = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
     q = torch.randn(num_tokens, KV_HEADS * group, HEAD_DIM, generator=generator)
@@ -165,7 +165,7 @@ def test_a_static_batchs_padding_rows_decode_where_they_lie():
     padding = PlanRow(5, 1, 3, [4])
     slots = [2 * 4 + 1, 12, 13, 14, 15]
     plan = StepPlan([0] * 6, [0] * 6, slots, [], [decode, padding], [chunk], num_real_decodes=1)
-    meta = inputs_of_plan(plan, CPU, []).meta
+    meta = inputs_of_plan(plan, CPU).meta
     q = torch.cat([q, torch.randn(1, *q.shape[1:], generator=torch.Generator().manual_seed(1))])
     outputs = []
     for backend in (TritonPagedAttention(CPU, TINY), make_attention_backend("torch", CPU)):

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from common.listening import mark_listening
+from frontend.gateway.embedding_route import embeddings_endpoint
 from frontend.gateway.error_funnel import ErrorFunnel
 from frontend.gateway.errors import OpenAIError
 from frontend.gateway.limits import RequestLimits
@@ -59,6 +60,7 @@ def build_app(spec: GatewaySpec) -> Starlette:
             Route("/v1/completions", counted("/v1/completions", routes.completions), methods=["POST"]),
             Route("/v1/chat/completions", counted("/v1/chat/completions", routes.chat_completions), methods=["POST"]),
             Route("/v1/responses", counted("/v1/responses", routes.responses), methods=["POST"]),
+            Route("/v1/embeddings", counted("/v1/embeddings", embeddings_endpoint(routes)), methods=["POST"]),
             Route("/v1/models", counted("/v1/models", routes.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", counted("/v1/models/{id}", routes.model), methods=["GET"]),
             Route("/health", counted("/health", routes.health), methods=["GET"]),

@@ -193,7 +193,8 @@ def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
 def _model_object(model_id: str, model: pb.ModelInfo, created: int) -> dict:
     """OpenAI's model object, with vLLM's additions: `root`, the model the id names (clients such as vLLM's
     benchmark read it), `parent` (a fine-tune's base; none here) and `max_model_len`; and whether it serves chat
-    (`has_chat_template`)."""
+    (`has_chat_template`), completions (`generates`) and embeddings (`pooling`: its pooling type, or null; the
+    vectors' `embedding_size`; the `matryoshka_dimensions` a request may ask for, [0] meaning any)."""
     return {
         "id": model_id,
         "object": "model",
@@ -203,6 +204,10 @@ def _model_object(model_id: str, model: pb.ModelInfo, created: int) -> dict:
         "parent": None,
         "max_model_len": model.max_model_len,
         "has_chat_template": model.has_chat_template,
+        "generates": model.generates,
+        "pooling": model.pooling or None,
+        "embedding_size": model.embedding_size,
+        "matryoshka_dimensions": list(model.matryoshka_dimensions),
     }
 
 

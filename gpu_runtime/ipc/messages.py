@@ -11,6 +11,7 @@ import msgspec
 
 from common.lanes import DrainAction, Role
 from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.ipc.pooling import ModelPooling
 from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
 
 # -- frontend -> scheduler --------------------------------------------------------------------------------
@@ -120,6 +121,9 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_
     # On the delta with the request's first token, when its sampling asked for prompt_logprobs: one entry per prompt
     # token, its logprob where it stands; the first token's is NaN (nothing precedes it: OpenAI's null).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On an embedding request's (SamplingParams.pooling) final delta: the embedding, float32 little-endian (the
+    # bytes OpenAI's base64 encoding_format sends as they are).
+    embedding: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +170,9 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     eos_token_ids: tuple[int, ...] = ()
     # --tool-call-parser: how the frontend reads `auto` tool calls from this model's text (auto: its template's).
     tool_call_parser: str = "auto"
+    # What its embeddings are (the defaults of an embedding request).
+    pooling: ModelPooling = ModelPooling()
+    generates: bool = True  # False: a base model's checkpoint without lm_head, which serves embeddings only
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):

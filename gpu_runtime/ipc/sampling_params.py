@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from common.checks import is_int, is_number, require
+from gpu_runtime.ipc.pooling import PoolingParams
 from gpu_runtime.ipc.structured_output import StructuredOutput
 
 
@@ -16,7 +17,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     """
 
     # Tokens to generate at most; the context length also stops a sequence. 0 with prompt_logprobs: the prompt is
-    # only scored (completions' echo with max_tokens 0) and the request ends with finish reason LENGTH.
+    # only scored (completions' echo with max_tokens 0) and the request ends with finish reason LENGTH; 0 with
+    # pooling: the prompt is only embedded.
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p
@@ -42,11 +44,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # The output must satisfy this (a JSON Schema, a regex, a grammar...): every step, tokens it does not allow
     # are masked out before anything else sees the logits (gpu_runtime.structured).
     structured_output: StructuredOutput | None = None
+    # An embedding request (gpu_runtime.pooling): the prompt's hidden states pooled into one vector, nothing
+    # generated (max_tokens 0); its final delta carries the embedding.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.max_tokens) and self.max_tokens >= 0, "max_tokens", "an integer >= 1", self.max_tokens)
-        require(self.max_tokens > 0 or self.prompt_logprobs is not None, "max_tokens",
-                "an integer >= 1 (0 only with prompt_logprobs: a prompt to score)", self.max_tokens)  # fmt: skip
+        require(self.max_tokens > 0 or self.prompt_logprobs is not None or self.pooling is not None, "max_tokens",
+                "an integer >= 1 (0 only with prompt_logprobs or pooling: a prompt to score or embed)",
+                self.max_tokens)  # fmt: skip
+        require(self.pooling is None or (self.max_tokens == 0 and self.prompt_logprobs is None), "pooling",
+                "set only with max_tokens 0 and no prompt_logprobs (an embedding generates nothing)",
+                self.pooling)  # fmt: skip
         require(is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
         require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         require(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)

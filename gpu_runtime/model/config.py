@@ -73,11 +73,19 @@ class ModelConfig:
     query_scale: float | None = None  # multiplies q.k (Gemma's query_pre_attn_scalar ** -0.5); None: 1/sqrt(d)
     attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits likewise, after lm_head (Gemma 2)
+    # False for a base model's checkpoint (config.json names "Qwen3Model", not "Qwen3ForCausalLM": what
+    # sentence-transformers saves): it has no lm_head, so it serves embeddings only.
+    generates: bool = True
 
     @property
     def kv_elements_per_token(self) -> int:
         """Elements of K and V that one cached token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _is_base_model(hf_classes: list[str]) -> bool:
+    """Whether config.json names only transformers' base classes ("LlamaModel"): the decoder without its head."""
+    return bool(hf_classes) and all(isinstance(c, str) and c.endswith("Model") for c in hf_classes)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -185,6 +193,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=_eos_ids(raw, generation),
         bos_token_id=raw.get("bos_token_id"),
         hidden_act=str(raw.get("hidden_act", "silu")),
+        generates=not _is_base_model(raw.get("architectures") or []),
     )
     config = architecture.adapt_config(raw, config)
     for rope in (config.rope, config.local_rope):

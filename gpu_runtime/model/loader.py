@@ -40,6 +40,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_name(stored: str) -> str:
+    """A tensor's name as a causal LM's checkpoint has it: a base model's ("layers.0.mlp.up_proj.weight", as
+    sentence-transformers saves an embedding model) gains the "model." its causal LM would have."""
+    if stored.startswith(("model.", "lm_head.")):
+        return stored
+    return f"model.{stored}"
+
+
 def iterate_checkpoint(model_dir: Path, shards: CheckpointShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor by name, whole; or with `shards`, only a rank's part of it (tensors the rank holds
     none of are skipped). Progress counts the checkpoint's bytes passed over, a shard's whole tensor included."""
@@ -48,12 +56,13 @@ def iterate_checkpoint(model_dir: Path, shards: CheckpointShards | None = None) 
         for path in files:
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        name = checkpoint_name(stored)
                         if shards is None:
-                            tensor = f.get_tensor(name)
+                            tensor = f.get_tensor(stored)
                             numel = tensor.numel()
                         else:
-                            part = f.get_slice(name)
+                            part = f.get_slice(stored)
                             tensor, numel = shards.read(name, part), math.prod(part.get_shape())
                             if tensor is None:
                                 continue
@@ -104,6 +113,8 @@ def load_model(
             loaded.add(target)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the copies were queued without waiting; the model is whole only now
+    if not config.generates and "lm_head.weight" not in loaded:
+        params["lm_head.weight"].data.zero_()  # a base model has no head: it embeds only (never sampled from)
     missing = _expected_pieces(entry, params, model.config) - loaded
     if missing:
         raise ValueError(f"model: checkpoint {model_dir} lacks weights for {sorted(missing)[:5]}")
@@ -147,7 +158,7 @@ def _expected_pieces(entry: Architecture, params: dict, config: ModelConfig) -> 
     """Every piece the checkpoint must supply: a parameter's name, or `name[piece]` for fused ones."""
     pieces = set()
     for name in params:
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and (config.tie_word_embeddings or not config.generates):
             continue
         layer, module, kind = split_tensor_name(f"model.{name}")  # a parameter's name is its tensor's, less "model."
         fused = entry.fused_parameter(module) if layer is not None else None

@@ -44,6 +44,7 @@ class CausalLM(Protocol):
 
     config: ModelConfig  # the model's shape; under tensor parallelism the rank's view (its heads only)
     attention_backend: AttentionBackend  # planned once per step by the runner, before the forward
+    norm: torch.nn.Module  # the final norm: its output is transformers' last_hidden_state, which embeddings pool
 
     def __call__(self, input_ids, positions, kv_pages, meta: AttentionMetadata) -> torch.Tensor: ...
 

@@ -294,6 +294,8 @@ class SchedulerLoop:
             kv_address=kv_address,
             eos_token_ids=tuple(engine.model_config.eos_token_ids),
             tool_call_parser=engine.config.tool_call_parser,
+            pooling=engine.pooling,
+            generates=engine.model_config.generates,
         )
 
     def _report_when_due(self, force: bool = False) -> None:

@@ -17,21 +17,22 @@ TIER_MARKERS = {
 _FAST = """
     admission_hints autoscale_inputs autoscale_policy chat_template config_reload control_channel error_interceptor
     gguf_malformed grafana_dashboard health_states iteration_tokens kv_leases kv_pull_transports model_config
-    page_allocator page_allocator_cases proto_api rollout_plan routing sampling_params scaling_plan scheduler
-    scheduler_keepalive scheduler_state_machine text_stream
+    page_allocator page_allocator_cases pooling_config proto_api rollout_plan routing sampling_params scaling_plan
+    scheduler scheduler_keepalive scheduler_state_machine text_stream
 """
 _ENGINE = """
     attention_backends cpu_weights engine_exactness engine_phase_timings engine_requests generation_defaults gguf gpu
-    kv_transfer latency load_progress loader memory_budget meta_loading penalties prefix_caching prompt_logprobs sampler
-    scheduler_priority serve_config static_batching step_oom
+    embeddings_engine kv_transfer latency load_progress loader memory_budget meta_loading penalties prefix_caching
+    prompt_logprobs sampler scheduler_priority serve_config static_batching step_oom
 """
 _DAEMON = """
     admission autoscale bench_serving chaos_script chat_template_transformers cli default_model default_model_real
-    deploy_systemd disaggregated dockerfile gateway_hardening gateway_openai gpu_check gpu_pinning grpc_reflection
-    ipc_hardening kubernetes_manifests liveness logs metering metrics_api_port multi_model openai_surface perf_report
-    playground_browser process_imports request_id rollout rollout_commands sampling_served serve_cancel serve_errors
-    serve_flags serve_host serve_ipc serve_lifecycle serve_readiness serve_streaming sighup_reload sim_autoscale
-    tenant_isolation tenants tensor_parallel_daemon tensor_parallel_engine tensor_parallel_model tokenize_off_loop
+    deploy_systemd disaggregated dockerfile embeddings_served gateway_hardening gateway_openai gpu_check gpu_pinning
+    grpc_reflection ipc_hardening kubernetes_manifests liveness logs metering metrics_api_port multi_model
+    openai_surface perf_report playground_browser process_imports request_id rollout rollout_commands sampling_served
+    serve_cancel serve_errors serve_flags serve_host serve_ipc serve_lifecycle serve_readiness serve_streaming
+    sighup_reload sim_autoscale tenant_isolation tenants tensor_parallel_daemon tensor_parallel_engine
+    tensor_parallel_model tokenize_off_loop
 """
 
 # Test file (its path under tests/) -> tier.

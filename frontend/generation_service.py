@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -79,49 +80,51 @@ class GenerationService(pb_grpc.GenerationServicer):
     def on_finished(self, callback: Callable[[str, float, int, int], None]) -> None:
         self.sessions.on_finished = callback
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        arrived = time.monotonic()
+    @contextlib.asynccontextmanager
+    async def _call_in_flight(self, context: grpc.aio.ServicerContext):
+        """A call counted in flight from its start to its end; UNAVAILABLE at once while the server drains."""
         try:
             self._lifecycle.enter()
         except RequestError as error:
             await context.abort(error.code, error.message, error.trailing_metadata)
         self._metrics.requests_in_flight.inc()
-        session = None
-        outcome = "cancelled"  # unless it finishes or fails: the client went away, or its deadline passed
         try:
-            session = await self._session(request, calling_tenant(), arrived)
-            await session.admit()
-            # Headers now: a client that sees them knows the request passed validation and is queued.
-            builder = session.request.builder
-            await context.send_initial_metadata((("x-request-id", builder.request_id), ("x-model", builder.model_name)))
-            async for chunk in session.chunks():
-                yield chunk
-        except RequestError as error:
-            outcome = "error"
-            await context.abort(error.code, error.message, error.trailing_metadata)
+            yield
         finally:
             self._metrics.requests_in_flight.dec()
             self._lifecycle.leave()
-            if session is not None:
-                session.finish(outcome)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrived = time.monotonic()
+        async with self._call_in_flight(context):
+            session = None
+            outcome = "cancelled"  # unless it finishes or fails: the client went away, or its deadline passed
+            try:
+                session = await self._session(request, calling_tenant(), arrived)
+                await session.admit()
+                # Headers now: a client that sees them knows the request passed validation and is queued.
+                builder = session.request.builder
+                await context.send_initial_metadata((("x-request-id", builder.request_id),
+                                                     ("x-model", builder.model_name)))  # fmt: skip
+                async for chunk in session.chunks():
+                    yield chunk
+            except RequestError as error:
+                outcome = "error"
+                await context.abort(error.code, error.message, error.trailing_metadata)
+            finally:
+                if session is not None:
+                    session.finish(outcome)
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         arrived = time.monotonic()
-        try:
-            self._lifecycle.enter()
-        except RequestError as error:
-            await context.abort(error.code, error.message, error.trailing_metadata)
-        self._metrics.requests_in_flight.inc()
-        try:
-            model_name, model = self._model_for(request.model, calling_tenant())
-            tokenizer = self._models.tokenizer(model)
-            call = await self._embeddings.prepare(request, calling_tenant(), model_name, model, tokenizer)
-            return await self._embeddings.run(call, arrived, tokenizer)
-        except RequestError as error:
-            await context.abort(error.code, error.message, error.trailing_metadata)
-        finally:
-            self._metrics.requests_in_flight.dec()
-            self._lifecycle.leave()
+        async with self._call_in_flight(context):
+            try:
+                model_name, model = self._model_for(request.model, calling_tenant())
+                tokenizer = self._models.tokenizer(model)
+                call = await self._embeddings.prepare(request, calling_tenant(), model_name, model, tokenizer)
+                return await self._embeddings.run(call, arrived, tokenizer)
+            except RequestError as error:
+                await context.abort(error.code, error.message, error.trailing_metadata)
 
     async def _session(self, request: pb.GenerateRequest, tenant: TenantSpec | None, arrived: float) -> RequestSession:
         """The request validated and tokenized, as a session not yet admitted (its id now counts as in flight)."""

@@ -60,8 +60,8 @@ def _run_grpcurl(daemon: Daemon, *args: str, data: dict | None = None) -> list:
 def test_grpcurl_lists_every_service_through_reflection(daemon):
     assert set(_run_grpcurl(daemon, "list")) == SERVED
     methods = _run_grpcurl(daemon, "list", "tokend.v1.Generation")
-    assert methods == [f"tokend.v1.Generation.{name}" for name in ("Abort", "Detokenize", "Generate", "ListModels",
-                                                                   "Tokenize")]  # fmt: skip
+    names = ("Abort", "Detokenize", "Embed", "Generate", "ListModels", "Tokenize")
+    assert methods == [f"tokend.v1.Generation.{name}" for name in names]
 
 
 def test_grpcurl_calls_generate_with_the_types_reflection_gave_it(daemon):

@@ -1,7 +1,7 @@
 """Embeddings from a real `tokend serve`, through the official `openai` client and gRPC Embed: a model saved by
 sentence-transformers answers what its encode does (both encodings), a generating model embeds and chats at once,
-every input is metered as prompt tokens, /v1/models says what each model serves, and bad inputs get a 400 naming the
-field while a stream beside them goes on."""
+every input is metered as prompt tokens, /v1/models says what each model serves, /score and /rerank are the
+embeddings' cosines, and bad inputs get a 400 naming the field while a stream beside them goes on."""
 
 from __future__ import annotations
 
@@ -150,3 +150,39 @@ def test_a_model_that_only_embeds_refuses_chat_naming_the_model(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="st-embed", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert refused.value.body["param"] == "model" and "serves embeddings only" in refused.value.body["message"]
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(daemon, st_model):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(st_model), device="cpu")
+    query, documents = TEXTS[0], TEXTS[1:]
+    vectors = model.encode([query, *documents], batch_size=1, convert_to_tensor=True)
+    expected = torch.nn.functional.cosine_similarity(vectors[:1], vectors[1:])
+    scored = httpx.post(f"{daemon.http_url}/v1/score", json={"model": "st-embed", "text_1": query,
+                                                            "text_2": documents}, timeout=60).json()  # fmt: skip
+    assert [item["score"] for item in scored["data"]] == pytest.approx(expected.tolist(), abs=TOLERANCE)
+    pairwise = httpx.post(f"{daemon.http_url}/score", json={"model": "st-embed", "text_1": documents,
+                                                           "text_2": documents}, timeout=60).json()  # fmt: skip
+    assert [item["score"] for item in pairwise["data"]] == pytest.approx([1.0] * len(documents), abs=TOLERANCE)
+    ranked = httpx.post(f"{daemon.http_url}/rerank", json={"model": "st-embed", "query": query, "documents": documents,
+                                                          "top_n": 2}, timeout=60).json()  # fmt: skip
+    order = expected.argsort(descending=True).tolist()[:2]
+    assert [result["index"] for result in ranked["results"]] == order
+    assert [result["document"]["text"] for result in ranked["results"]] == [documents[i] for i in order]
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(expected[order].tolist(), abs=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": ["c", ""]}, "text_2[1]"),
+        ("/v1/rerank", {"query": "", "documents": ["c"]}, "query"),
+        ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["c", ""]}, "documents[1]"),
+    ],
+)
+def test_bad_score_and_rerank_bodies_name_the_field(daemon, path, body, param):
+    response = httpx.post(f"{daemon.http_url}{path}", json={"model": "st-embed", **body}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

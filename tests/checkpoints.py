@@ -137,15 +137,15 @@ def write_checkpoint(directory: Path, spec: dict, seed: int = 0, **overrides) ->
     kind = spec.pop("kind")
     config_class, model_class = (getattr(transformers, name) for name in _CLASSES[kind])
     config = config_class(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=spec.pop("vocab_size", VOCAB_SIZE),
         hidden_size=spec.pop("hidden_size", 64),
         intermediate_size=spec.pop("intermediate_size", 160),
         num_hidden_layers=spec.pop("num_hidden_layers", 2),
         max_position_embeddings=spec.pop("max_position_embeddings", 1024),
         # A wide init gives peaked logits, so greedy argmax is not decided by float rounding.
         initializer_range=spec.pop("initializer_range", 0.2),
-        bos_token_id=256,
-        eos_token_id=257,
+        bos_token_id=spec.pop("bos_token_id", 256),
+        eos_token_id=spec.pop("eos_token_id", 257),
         pad_token_id=spec.pop("pad_token_id", None),
         **spec,
     )

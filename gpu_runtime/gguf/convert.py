@@ -33,6 +33,7 @@ from gpu_runtime.gguf.model_config import generation_config, hf_config
 from gpu_runtime.gguf.reader import GGUFFile, engine_shape, read_gguf
 from gpu_runtime.gguf.tokenizer import build_tokenizer, tokenizer_config
 from gpu_runtime.gguf.weights import SKIPPED, to_transformers_layout, transformers_name
+from gpu_runtime.model import registry
 from gpu_runtime.quant.blocks import QUANTIZED_WEIGHTS_FILE, keeps_blocks
 
 CONVERTER_VERSION = 1  # bump when the output changes, so that stale conversions are not served
@@ -81,7 +82,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_blocks: bool = False) -> N
     _write_json(out_dir / "generation_config.json", generation_config(gguf))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(gguf))
-    heads = (config["num_attention_heads"], config["num_key_value_heads"])
+    entry = registry.gguf_architecture(gguf.architecture)  # hf_config refused an architecture without one
+    heads = (config["num_attention_heads"], config["num_key_value_heads"], entry.gguf_qk_interleaved)
     kept = {t.name for t in weights if keep_blocks and keeps_blocks(names[t.name], t)}
     _write_weights(gguf, weights, names, heads, out_dir, kept)
     if keep_blocks:
@@ -127,7 +129,7 @@ def _write_weights(
     gguf: GGUFFile,
     weights: list[ReaderTensor],
     names: dict[str, str],
-    heads: tuple[int, int],
+    heads: tuple[int, int, bool],  # attention heads, KV heads, whether Q/K rows were interleaved
     out_dir: Path,
     kept: set[str],
 ) -> None:

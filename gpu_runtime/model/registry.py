@@ -104,6 +104,9 @@ class Architecture:
     # The fields this architecture reads its own way from config.json, over the ones read alike for all of them.
     adapt_config: Callable[[dict[str, Any], ModelConfig], ModelConfig] = lambda raw, config: config
     gguf_names: tuple[str, ...] = ()  # the GGUF general.architecture values converted as this architecture
+    # Whether llama.cpp's converter interleaved each head's Q and K rows for ggml's rotary (its rope type NORM:
+    # Llama, Mistral); the NEOX-rope families (Qwen) keep transformers' order (gguf/weights.py undoes the first).
+    gguf_qk_interleaved: bool = False
     activations: tuple[str, ...] = ("silu",)  # the MLP activations (ModelConfig.hidden_act) its model class runs
     rope_types: tuple[str, ...] = ("default", "linear", "llama3")  # the RopeConfig.rope_type values it runs
     experts: tuple[ExpertParameter, ...] = ()  # per-expert checkpoint tensors stacked into one parameter each

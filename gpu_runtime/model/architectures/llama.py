@@ -61,4 +61,5 @@ ARCHITECTURE = Architecture(
     fused=FUSED,
     tp_splits=TP_SPLITS,
     gguf_names=("llama",),  # Mistral GGUFs say "llama" too: llama.cpp converts them as Llama
+    gguf_qk_interleaved=True,
 )

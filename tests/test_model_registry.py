@@ -93,7 +93,9 @@ def test_the_built_in_families_are_entries_sharing_llamas_decoder():
     assert set(names) >= {"llama", "mistral", "qwen2"}
     assert {names[n].model_class for n in ("llama", "mistral", "qwen2")} == {LlamaForCausalLM}
     assert registry.gguf_architecture("llama") is names["llama"]
-    assert registry.gguf_architecture("qwen2") is None  # not converted (yet): its GGUF layout is not Llama's
+    assert registry.gguf_architecture("qwen2") is names["qwen2"]
+    # llama.cpp interleaves the Q/K rows of NORM-rope families only (test_gguf_families shows Qwen's files read).
+    assert names["llama"].gguf_qk_interleaved and not names["qwen2"].gguf_qk_interleaved
 
 
 @pytest.mark.fast
@@ -106,7 +108,8 @@ def test_the_newer_families_are_entries_with_their_own_model_classes():
         "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
     }  # fmt: skip
-    assert all(not names[name].gguf_names for name in newer)  # their GGUF layouts are not read yet
+    assert registry.gguf_architecture("qwen3") is names["qwen3"]
+    assert all(not names[name].gguf_names for name in newer - {"qwen3"})  # their GGUF layouts are not read yet
 
 
 @pytest.mark.fast

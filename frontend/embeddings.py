@@ -48,10 +48,9 @@ class EmbedCall:
 
 
 class EmbedRequests:
-    def __init__(self, sessions: SessionServices, tokenize: TokenizePool, meter):
+    def __init__(self, sessions: SessionServices, tokenize: TokenizePool):
         self._sessions = sessions
         self._tokenize = tokenize
-        self._meter = meter
 
     async def prepare(
         self, request: pb.EmbedRequest, tenant: TenantSpec | None, model_name: str, model: SchedulerReady,
@@ -134,7 +133,7 @@ class EmbedRequests:
     async def _embed_one(self, call: EmbedCall, request_id: str, token_ids: list[int], arrived: float,
                          tokenizer: Tokenizer) -> tuple[bytes, TokenCounts, str]:  # fmt: skip
         """One input as a session of its own; its ledger row is closed however it ends (as Generate's)."""
-        record_id = self._meter.new_record_id()
+        record_id = self._sessions.meter.new_record_id()
         message = AddRequest(record_id, token_ids, call.sampling, call.priority, cache_salt(call.tenant))
         builder = ChunkBuilder(request_id, call.model_name, tokenizer, [])
         facts = SessionRequest(record_id, request_id, call.tenant, call.model_name, call.priority, message, builder,

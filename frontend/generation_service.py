@@ -67,7 +67,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._tokenize = tokenize
         self.grammars = GrammarChecks(metrics)
         self.sessions = SessionServices(link, admission, meter, metrics, log, disagg_min_prompt_tokens)
-        self._embeddings = EmbedRequests(self.sessions, tokenize, meter)
+        self._embeddings = EmbedRequests(self.sessions, tokenize)
         # (tenant, request id) of every request from its arrival until it holds no slot -> its session
         self._in_flight: dict[tuple[str, str], RequestSession] = {}
 

@@ -41,7 +41,6 @@ class EmbedCall:
     request_id: str
     tenant: TenantSpec | None
     model_name: str
-    model: SchedulerReady
     priority: Priority
     sampling: SamplingParams
     inputs: list[list[int]]  # each input's token ids
@@ -68,7 +67,7 @@ class EmbedRequests:
         priority = resolve_priority(tenant, PRIORITIES[request.priority])
         inputs = await asyncio.gather(*(self._token_ids(index, item, model, tokenizer)
                                         for index, item in enumerate(request.inputs)))  # fmt: skip
-        return EmbedCall(request_id, tenant, model_name, model, priority, sampling, list(inputs))
+        return EmbedCall(request_id, tenant, model_name, priority, sampling, list(inputs))
 
     async def _token_ids(self, index: int, item: pb.EmbedInput, model: SchedulerReady, tokenizer) -> list[int]:
         field, which = f"inputs[{index}]", item.WhichOneof("input")

@@ -64,15 +64,18 @@ def load_cpu_kernel():
 
 
 def build_fingerprint(extra: str = "") -> str:
-    """What a built library depends on besides its source: the CPU's instruction set and torch's version (and
-    `extra`, for a kernel that keys its source in too)."""
+    """What a built library depends on besides its source: the CPU's instruction set, torch's version and where torch
+    is installed (and `extra`, for a kernel that keys its source in too). The place matters because the build file
+    names torch's headers by path: two virtual environments sharing one cache would otherwise rebuild the library
+    in turn, a minute at each one's next start."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    key = f"{platform.machine()}|{flags}|{torch.__version__}{'|' + extra if extra else ''}"
+    torch_place = Path(torch.__file__).parent
+    key = f"{platform.machine()}|{flags}|{torch.__version__}|{torch_place}{'|' + extra if extra else ''}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

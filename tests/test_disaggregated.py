@@ -86,7 +86,7 @@ def _loads(daemon: Daemon) -> dict[str, pb.SchedulerLoad]:
     return {s.role: s for s in daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers}
 
 
-PROMPTS = _prompts(200, seed=7, longest=1500)
+PROMPTS = _prompts(120, seed=7, longest=1500)
 MAX_TOKENS = 6
 
 
@@ -107,7 +107,7 @@ def reference():
 
 
 def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggregated, reference):
-    """200 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
+    """120 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
     usage equal the mixed daemon's, the ledger's totals too (one row per request), and every prompt of MIN_PROMPT
     tokens or more went through a handover."""
     expected, expected_usage = reference
@@ -132,7 +132,7 @@ def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggre
 
 @pytest.mark.parametrize("disaggregated", ["zmq"], indirect=True)  # see the module's docstring
 def test_the_gateway_serves_disaggregated_requests_as_the_mixed_daemon_does(disaggregated, reference):
-    """The official openai client against the gateway, the same 200 prompts: the text, finish reason and usage
+    """The official openai client against the gateway, the same 120 prompts: the text, finish reason and usage
     equal the mixed daemon's over gRPC."""
     expected, _ = reference
 

@@ -31,7 +31,7 @@ class FakeForCausalLM(LlamaForCausalLM):
 
 
 FAKE = dataclasses.replace(
-    llama.ARCHITECTURE, name="fake", hf_classes=("FakeForCausalLM",), model_class=FakeForCausalLM, gguf_names=()
+    llama.ARCHITECTURE, name="fake", hf_classes=("FakeForCausalLM",), model_class=FakeForCausalLM, gguf=None
 )
 
 
@@ -95,7 +95,7 @@ def test_the_built_in_families_are_entries_sharing_llamas_decoder():
     assert registry.gguf_architecture("llama") is names["llama"]
     assert registry.gguf_architecture("qwen2") is names["qwen2"]
     # llama.cpp interleaves the Q/K rows of NORM-rope families only (test_gguf_families shows Qwen's files read).
-    assert names["llama"].gguf_qk_interleaved and not names["qwen2"].gguf_qk_interleaved
+    assert names["llama"].gguf.qk_interleaved and not names["qwen2"].gguf.qk_interleaved
 
 
 @pytest.mark.fast
@@ -108,8 +108,12 @@ def test_the_newer_families_are_entries_with_their_own_model_classes():
         "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
     }  # fmt: skip
-    assert registry.gguf_architecture("qwen3") is names["qwen3"]
-    assert all(not names[name].gguf_names for name in newer - {"qwen3"})  # their GGUF layouts are not read yet
+    # Their GGUF files (test_gguf_families.py): Mixtral says "llama" and is told apart by its merged experts.
+    gguf_files = {("qwen3", False): "qwen3", ("qwen3moe", True): "qwen3_moe", ("gemma2", False): "gemma2",
+                  ("gemma3", False): "gemma3_text", ("llama", True): "mixtral", ("llama", False): "llama"}  # fmt: skip
+    for (gguf_name, experts), name in gguf_files.items():
+        assert registry.gguf_architecture(gguf_name, experts) is names[name]
+    assert names["mixtral"].gguf.qk_interleaved and names["phi3"].gguf is None  # Phi-3's fused layout: not yet
 
 
 @pytest.mark.fast

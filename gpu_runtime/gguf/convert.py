@@ -29,11 +29,10 @@ from tqdm import tqdm
 
 from gpu_runtime.default_model import cache_dir, write_once
 from gpu_runtime.gguf.dequantize import FLOAT_TYPES, check_supported, dequantize
-from gpu_runtime.gguf.model_config import generation_config, hf_config
+from gpu_runtime.gguf.model_config import generation_config, gguf_entry, hf_config
 from gpu_runtime.gguf.reader import GGUFFile, engine_shape, read_gguf
 from gpu_runtime.gguf.tokenizer import build_tokenizer, tokenizer_config
-from gpu_runtime.gguf.weights import SKIPPED, to_transformers_layout, transformers_name
-from gpu_runtime.model import registry
+from gpu_runtime.gguf.weights import SKIPPED, CheckpointNames
 from gpu_runtime.quant.blocks import QUANTIZED_WEIGHTS_FILE, keeps_blocks
 
 CONVERTER_VERSION = 1  # bump when the output changes, so that stale conversions are not served
@@ -71,10 +70,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_blocks: bool = False) -> N
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model: GGUF file {gguf_path} has no token_embd.weight: not a language model tokend reads")
     rope_factors = _dequantized(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
-    config = hf_config(gguf, rope_factors)
+    entry = gguf_entry(gguf)  # refuses an architecture tokend does not read, naming it
+    config = hf_config(gguf, entry, rope_factors)
     tokenizer = build_tokenizer(gguf)
     weights = [t for name, t in tensors.items() if name not in SKIPPED]
-    names = {t.name: transformers_name(t.name) for t in weights}  # refuses unknown tensors before any work
+    checkpoint_names = CheckpointNames(entry.gguf, entry.name, int(gguf.hparam("expert_count", 0) or 0))
+    names = {t.name: checkpoint_names.of(t.name) for t in weights}  # refuses unknown tensors before any work
     for t in weights:
         check_supported(t.tensor_type, t.name)
     config["vocab_size"] = engine_shape(tensors["token_embd.weight"])[0]
@@ -82,12 +83,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_blocks: bool = False) -> N
     _write_json(out_dir / "generation_config.json", generation_config(gguf))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(gguf))
-    entry = registry.gguf_architecture(gguf.architecture)  # hf_config refused an architecture without one
-    heads = (config["num_attention_heads"], config["num_key_value_heads"], entry.gguf_qk_interleaved)
-    kept = {t.name for t in weights if keep_blocks and keeps_blocks(names[t.name], t)}
-    _write_weights(gguf, weights, names, heads, out_dir, kept)
+    heads = (config["num_attention_heads"], config["num_key_value_heads"])
+    kept = {t.name for t in weights if keep_blocks and len(names[t.name]) == 1 and keeps_blocks(names[t.name][0], t)}
+    _write_weights(gguf, weights, checkpoint_names, heads, out_dir, kept)
     if keep_blocks:
-        types = {names[t.name]: GGMLQuantizationType(t.tensor_type).name for t in weights if t.name in kept}
+        types = {names[t.name][0]: GGMLQuantizationType(t.tensor_type).name for t in weights if t.name in kept}
         _write_json(out_dir / QUANTIZED_WEIGHTS_FILE, {"version": BLOCKS_CONVERTER_VERSION, "tensors": types})
     source = {"source": str(gguf_path.resolve()), "bytes": gguf_path.stat().st_size, "converter": CONVERTER_VERSION}
     _write_json(out_dir / "gguf_source.json", {**source, "general.name": gguf.metadata.get("general.name")})
@@ -128,8 +128,8 @@ def _shards(weights: list[ReaderTensor], kept: set[str]) -> list[list[ReaderTens
 def _write_weights(
     gguf: GGUFFile,
     weights: list[ReaderTensor],
-    names: dict[str, str],
-    heads: tuple[int, int, bool],  # attention heads, KV heads, whether Q/K rows were interleaved
+    names: CheckpointNames,
+    heads: tuple[int, int],  # attention heads, KV heads
     out_dir: Path,
     kept: set[str],
 ) -> None:
@@ -149,8 +149,9 @@ def _write_weights(
             tensors = {}
             for tensor in shard:
                 value = _raw_blocks(tensor) if tensor.name in kept else _dequantized(tensor)
-                tensors[names[tensor.name]] = to_transformers_layout(tensor.name, value, *heads)
-                weight_map[names[tensor.name]] = file_name
+                for name, piece in names.pieces(tensor.name, value, heads):
+                    tensors[name] = piece
+                    weight_map[name] = file_name
                 progress.update(_output_bytes(tensor, kept))
             save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
     if len(files) > 1:

@@ -16,14 +16,20 @@ END_OF_GENERATION_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<en
 _CONTROL = 3  # llama.cpp's token type for special tokens
 
 
-def hf_config(gguf: GGUFFile, rope_factors: torch.Tensor | None) -> dict[str, Any]:
-    """config.json for the model; `rope_factors` is the file's `rope_freqs.weight` (Llama 3.1 scaling), if any."""
-    architecture = gguf.architecture
-    entry = registry.gguf_architecture(architecture)  # the model registry's entries name the GGUFs they read
+def gguf_entry(gguf: GGUFFile) -> registry.Architecture:
+    """The registry entry that reads this file (Mixtral is told from Llama by its expert tensors); ValueError naming
+    the architecture when none does."""
+    experts = int(gguf.hparam("expert_count", 0) or 0) > 0
+    entry = registry.gguf_architecture(gguf.architecture, experts)
     if entry is None:
-        raise ValueError(
-            f"model: GGUF architecture {architecture!r} is not supported; tokend reads {registry.gguf_names()}"
-        )
+        kind = " with experts" if experts else ""
+        raise ValueError(f"model: GGUF architecture {gguf.architecture!r}{kind} is not supported; tokend reads "
+                         f"{registry.gguf_names()}")  # fmt: skip
+    return entry
+
+
+def hf_config(gguf: GGUFFile, entry: registry.Architecture, rope_factors: torch.Tensor | None) -> dict[str, Any]:
+    """config.json for the model; `rope_factors` is the file's `rope_freqs.weight` (Llama 3.1 scaling), if any."""
     hidden = int(_required(gguf, "embedding_length"))
     num_heads = int(_required(gguf, "attention.head_count"))
     head_dim = int(gguf.hparam("attention.key_length", hidden // num_heads))
@@ -31,8 +37,8 @@ def hf_config(gguf: GGUFFile, rope_factors: torch.Tensor | None) -> dict[str, An
     if rotary_dims != head_dim:
         raise ValueError(f"model: GGUF rotates {rotary_dims} of {head_dim} head dimensions; tokend rotates all")
     scaling = gguf.hparam("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"model: GGUF rope scaling {scaling!r} is not supported (none, or Llama 3's)")
+    if scaling not in ("none", "linear", None):
+        raise ValueError(f"model: GGUF rope scaling {scaling!r} is not supported (none, linear, or Llama 3's)")
     theta = float(gguf.hparam("rope.freq_base", 10000.0))
     context = int(gguf.hparam("context_length", 2048))
     tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
@@ -56,9 +62,11 @@ def hf_config(gguf: GGUFFile, rope_factors: torch.Tensor | None) -> dict[str, An
         "eos_token_id": gguf.metadata.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_required(gguf, "rope.scaling.factor"))}
     if rope_factors is not None:
         config["rope_scaling"] = llama3_rope_scaling(rope_factors, theta, head_dim)
-    return config
+    return entry.gguf.config(gguf.hparam, config)
 
 
 def generation_config(gguf: GGUFFile) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 
 A GGUF holds the vocabulary, the merges, each token's type and `tokenizer.ggml.pre`, the name of the way llama.cpp
 splits text into words before merging. Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": SmolLM,
-Llama 3, Qwen2, ...) are rebuilt here, with the split llama.cpp uses for their pre-tokenizer name; other
-tokenizer models, and pre-tokenizer names this table lacks, are refused by name rather than guessed.
+Llama 3, Qwen2, ...) are rebuilt here, with the split llama.cpp uses for their pre-tokenizer name; SentencePiece
+vocabularies (`llama`: Llama 2, Mistral, Gemma, ...) in sentencepiece.py. Other tokenizer models, and pre-tokenizer
+names this table lacks, are refused by name rather than guessed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from gpu_runtime.gguf.reader import GGUFFile
+from gpu_runtime.gguf.sentencepiece import MERGES_BY_POSITION as _MERGES_BY_POSITION
+from gpu_runtime.gguf.sentencepiece import sentencepiece_tokenizer
 
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 
@@ -52,15 +55,29 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     """Raises ValueError naming the tokenizer model or pre-tokenizer when it is not one tokend rebuilds."""
     metadata = gguf.metadata
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"model: GGUF tokenizer model {kind!r} is not supported; tokend rebuilds 'gpt2' (byte-level BPE)"
-        )
+    if kind == "gpt2":
+        tokenizer = _byte_level(metadata)
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(metadata, by_position=gguf.architecture in _MERGES_BY_POSITION)
+    else:
+        raise ValueError(f"model: GGUF tokenizer model {kind!r} is not supported; tokend rebuilds 'gpt2' (byte-level "
+                         "BPE) and 'llama' (SentencePiece BPE)")  # fmt: skip
+    # Control tokens (<|im_start|>) are special: matched whole in text and skipped when decoding; user-defined
+    # ones (<think>) are matched whole but decoded as text. Both keep their ids: each is in the vocabulary already.
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    types: list[int] = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    kinds = list(zip(tokens, types, strict=True))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == _CONTROL])
+    tokenizer.post_processor = _post_processor(metadata, tokens, byte_level=kind == "gpt2")
+    return tokenizer
+
+
+def _byte_level(metadata: dict[str, Any]) -> Tokenizer:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"model: GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    types: list[int] = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
     tokenizer = Tokenizer(
         models.BPE(
@@ -73,18 +90,12 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     )
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(PRE_TOKENIZERS[pre])
     tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>) are special: matched whole in text and skipped when decoding; user-defined
-    # ones (<think>) are matched whole but decoded as text. Both keep their ids: each is in the vocabulary already.
-    kinds = list(zip(tokens, types, strict=True))
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED])
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == _CONTROL])
-    tokenizer.post_processor = _post_processor(metadata, tokens)
     return tokenizer
 
 
-def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
-    """BOS and EOS around each text as the file's add_bos_token / add_eos_token say (byte-level BPE: off unless
-    said), and byte-level offsets."""
+def _post_processor(metadata: dict[str, Any], tokens: list[str], byte_level: bool) -> processors.PostProcessor:
+    """BOS and EOS around each text as the file's add_bos_token / add_eos_token say (off unless said: the converter
+    writes what the model's tokenizer does), and byte-level offsets for a byte-level vocabulary."""
     single, special = "$A", []
     for key, position in (("bos", "prefix"), ("eos", "suffix")):
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
@@ -92,12 +103,8 @@ def _post_processor(metadata: dict[str, Any], tokens: list[str]) -> processors.P
             text = tokens[token_id]
             single = f"{text} {single}" if position == "prefix" else f"{single} {text}"
             special.append((text, int(token_id)))
-    return processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=special),
-        ]
-    )
+    template = processors.TemplateProcessing(single=single, pair=f"{single} $B:1", special_tokens=special)
+    return processors.Sequence([processors.ByteLevel(trim_offsets=False), template]) if byte_level else template
 
 
 def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:

@@ -1,11 +1,12 @@
-"""llama.cpp's tensor names and Q/K row order, mapped back to the transformers layout tokend loads.
+"""llama.cpp's tensor names, values and Q/K row order, mapped back to the transformers checkpoint tokend loads.
 
-llama.cpp's converter renames every tensor (`blk.0.attn_q.weight` for `model.layers.0.self_attn.q_proj.weight`).
-For the families ggml rotates its own way (rope type NORM: Llama, Mistral; Architecture.gguf_qk_interleaved) it
-also reorders the rows of the query and key projections: transformers' rotary embedding pairs dimension i with
-i + head_dim/2 ("rotate half"), ggml's NORM pairs neighbours (2i, 2i+1), so each head's rows were interleaved to
-suit ggml. Undoing that interleave makes the weights exactly the checkpoint the GGUF was made from. The NEOX-rope
-families (Qwen2, Qwen3) rotate halves as transformers does, and their rows are kept as they are.
+llama.cpp's converter renames every tensor (`blk.0.attn_q.weight` for `model.layers.0.self_attn.q_proj.weight`;
+each architecture's names are in its GGUFFormat). For the families ggml rotates its own way (rope type NORM: Llama,
+Mistral, Mixtral; GGUFFormat.qk_interleaved) it also reorders the rows of the query and key projections:
+transformers' rotary embedding pairs dimension i with i + head_dim/2 ("rotate half"), ggml's NORM pairs neighbours
+(2i, 2i+1), so each head's rows were interleaved to suit ggml. Gemma's norms were stored plus one
+(GGUFFormat.norm_offset), and Mixture-of-Experts layers' experts merged into one [experts, rows, columns] tensor per
+projection. Undoing each makes the weights the checkpoint the GGUF was made from.
 """
 
 from __future__ import annotations
@@ -14,40 +15,54 @@ import re
 
 import torch
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+from gpu_runtime.model.gguf_format import GLOBAL_NAMES, GGUFFormat
+
 # Tensors that carry no weights of their own: the rotary frequencies are recomputed from the config.
 SKIPPED = frozenset({"rope_freqs.weight"})
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def transformers_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; ValueError for a tensor Llama has not."""
-    if match := _LAYER_TENSOR.match(gguf_name):
-        layer, module, kind = match.groups()
-        if module in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[module]}.{kind}"
-    elif (match := _GLOBAL_TENSOR.match(gguf_name)) and match.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
-    raise ValueError(f"model: GGUF tensor {gguf_name!r} has no place in a Llama-family model (an unsupported "
-                     "architecture?)")  # fmt: skip
+class CheckpointNames:
+    """The checkpoint tensors each GGUF tensor of one file becomes: one, or one per expert for a merged expert
+    tensor."""
+
+    def __init__(self, gguf_format: GGUFFormat, architecture: str, num_experts: int = 0):
+        self._format = gguf_format
+        self._architecture = architecture
+        self._num_experts = num_experts
+
+    def of(self, gguf_name: str) -> list[str]:
+        """`blk.3.attn_q.weight` -> [`model.layers.3.self_attn.q_proj.weight`]; ValueError naming a tensor this
+        architecture has no place for."""
+        if match := _LAYER_TENSOR.match(gguf_name):
+            layer, gguf_module, kind = match.groups()
+            module = self._format.layer_module(gguf_module)
+            if module is not None and "*" in module:
+                experts = range(self._num_experts)
+                return [f"model.layers.{layer}.{module.replace('*', str(e))}.{kind}" for e in experts]
+            if module is not None:
+                return [f"model.layers.{layer}.{module}.{kind}"]
+        elif (match := _GLOBAL_TENSOR.match(gguf_name)) and match.group(1) in GLOBAL_NAMES:
+            return [f"{GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"]
+        raise ValueError(f"model: GGUF tensor {gguf_name!r} has no place in a {self._architecture!r} model (an "
+                         "unsupported variant of the architecture?)")  # fmt: skip
+
+    def pieces(self, gguf_name: str, tensor: torch.Tensor, heads: tuple[int, int]) -> list[tuple[str, torch.Tensor]]:
+        """The tensor as the checkpoint held it, under its checkpoint name(s): `heads` is (attention heads, KV heads),
+        for the Q/K rows."""
+        names = self.of(gguf_name)
+        if len(names) > 1:  # merged experts: [experts, rows, columns], expert e's matrix first-dimension e
+            if tensor.shape[0] != len(names):
+                raise ValueError(f"model: GGUF tensor {gguf_name!r} holds {tensor.shape[0]} experts, the file's "
+                                 f"expert_count says {len(names)}")  # fmt: skip
+            return [(name, tensor[e].contiguous()) for e, name in enumerate(names)]
+        (name,) = names
+        if self._format.norm_offset and name.endswith("norm.weight") and tensor.is_floating_point():
+            tensor = tensor - self._format.norm_offset
+        if self._format.qk_interleaved:
+            tensor = _rotate_half_order(gguf_name, tensor, *heads)
+        return [(name, tensor)]
 
 
 def undo_rotary_permutation(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -58,13 +73,7 @@ def undo_rotary_permutation(tensor: torch.Tensor, num_heads: int) -> torch.Tenso
     return split.transpose(1, 2).reshape(tensor.shape).contiguous()
 
 
-def to_transformers_layout(
-    gguf_name: str, tensor: torch.Tensor, num_heads: int, num_kv_heads: int, qk_interleaved: bool = True
-) -> torch.Tensor:
-    """The tensor as the transformers checkpoint holds it (Q and K rows back in rotate-half order, where the
-    converter interleaved them)."""
-    if not qk_interleaved:
-        return tensor
+def _rotate_half_order(gguf_name: str, tensor: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     if re.match(r"^blk\.\d+\.attn_q\.", gguf_name):
         return undo_rotary_permutation(tensor, num_heads)
     if re.match(r"^blk\.\d+\.attn_k\.", gguf_name):

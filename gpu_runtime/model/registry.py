@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from gpu_runtime.attention.backend import AttentionBackend
     from gpu_runtime.attention.metadata import AttentionMetadata
     from gpu_runtime.model.config import ModelConfig
+    from gpu_runtime.model.gguf_format import GGUFFormat
     from gpu_runtime.model.tp_checkpoint import TensorSplit
 
 _MODULES = (
@@ -103,10 +104,7 @@ class Architecture:
     tp_splits: Mapping[str, TensorSplit]
     # The fields this architecture reads its own way from config.json, over the ones read alike for all of them.
     adapt_config: Callable[[dict[str, Any], ModelConfig], ModelConfig] = lambda raw, config: config
-    gguf_names: tuple[str, ...] = ()  # the GGUF general.architecture values converted as this architecture
-    # Whether llama.cpp's converter interleaved each head's Q and K rows for ggml's rotary (its rope type NORM:
-    # Llama, Mistral); the NEOX-rope families (Qwen) keep transformers' order (gguf/weights.py undoes the first).
-    gguf_qk_interleaved: bool = False
+    gguf: GGUFFormat | None = None  # how llama.cpp's converter writes it, if tokend reads its GGUF files
     activations: tuple[str, ...] = ("silu",)  # the MLP activations (ModelConfig.hidden_act) its model class runs
     rope_types: tuple[str, ...] = ("default", "linear", "llama3")  # the RopeConfig.rope_type values it runs
     experts: tuple[ExpertParameter, ...] = ()  # per-expert checkpoint tensors stacked into one parameter each
@@ -204,9 +202,17 @@ def hf_class_names() -> list[str]:
     return sorted(cls for entry in _entries().values() for cls in entry.hf_classes)
 
 
-def gguf_architecture(gguf_name: str) -> Architecture | None:
-    return next((entry for entry in _entries().values() if gguf_name in entry.gguf_names), None)
+def gguf_architecture(gguf_name: str, experts: bool = False) -> Architecture | None:
+    """The entry that reads a GGUF file of this general.architecture, with merged expert tensors or without."""
+    return next(
+        (
+            entry
+            for entry in _entries().values()
+            if entry.gguf is not None and gguf_name in entry.gguf.names and entry.gguf.experts == experts
+        ),
+        None,
+    )
 
 
 def gguf_names() -> list[str]:
-    return sorted(name for entry in _entries().values() for name in entry.gguf_names)
+    return sorted({name for entry in _entries().values() if entry.gguf is not None for name in entry.gguf.names})

@@ -9,6 +9,7 @@ from typing import Any
 from gpu_runtime.model.architectures import llama
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.gemma import SLIDING, GemmaForCausalLM
+from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.model.tp_checkpoint import REPLICATED
 
@@ -67,6 +68,36 @@ def _gemma2(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
     return gemma_config(raw, config, pattern=2, defaults=defaults)
 
 
+# llama.cpp's names for the four norms around attention and the MLP (its ffn_norm is the pre-MLP norm here).
+GGUF_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GGUF_NORM_OFFSET = 1.0  # the converter stores 1 + w, the factor Gemma's RMSNorm multiplies by
+
+
+def gguf_config(hparam: Hparam, config: dict[str, Any], large_model_layers: int) -> dict[str, Any]:
+    """What Gemma 2 and 3 files say alike. The query scale is not in the file: llama.cpp takes 1/sqrt(head_dim),
+    except for the 27B models (query_pre_attn_scalar = hidden / heads), which it tells by their layer count; the
+    same rule is applied here."""
+    large = config["num_hidden_layers"] == large_model_layers
+    scalar = config["hidden_size"] // config["num_attention_heads"] if large else config["head_dim"]
+    return {
+        **config,
+        "hidden_act": GELU_TANH,
+        "hidden_activation": GELU_TANH,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": hparam("attention.sliding_window", None),
+        "final_logit_softcapping": hparam("final_logit_softcapping", None),
+    }
+
+
+def _gemma2_gguf(hparam: Hparam, config: dict[str, Any]) -> dict[str, Any]:
+    config = gguf_config(hparam, config, large_model_layers=46)
+    return {**config, "attn_logit_softcapping": hparam("attn_logit_softcapping", None)}
+
+
 ARCHITECTURE = Architecture(
     name="gemma2",
     hf_classes=("Gemma2ForCausalLM",),
@@ -75,4 +106,5 @@ ARCHITECTURE = Architecture(
     tp_splits=TP_SPLITS,
     adapt_config=_gemma2,
     activations=(GELU_TANH,),
+    gguf=GGUFFormat(names=("gemma2",), layer_names=GGUF_LAYER_NAMES, norm_offset=GGUF_NORM_OFFSET, config=_gemma2_gguf),
 )

@@ -12,7 +12,8 @@ from typing import Any
 
 from gpu_runtime.model.architectures import gemma2
 from gpu_runtime.model.config import ModelConfig, rope_of_parameters
-from gpu_runtime.model.gemma import Gemma3ForCausalLM
+from gpu_runtime.model.gemma import SLIDING, Gemma3ForCausalLM
+from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.model.tp_checkpoint import REPLICATED
 
@@ -40,6 +41,18 @@ def _gemma3(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
     )
 
 
+def _gemma3_gguf(hparam: Hparam, config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp fixes Gemma 3's five-to-one pattern and the local layers' theta unless the file states them (a
+    newer converter writes the pattern as one flag per layer, true where the layer slides)."""
+    config = gemma2.gguf_config(hparam, config, large_model_layers=62)
+    pattern = hparam("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        config["layer_types"] = [SLIDING if slides else "full_attention" for slides in pattern]
+    else:
+        config["sliding_window_pattern"] = int(pattern)
+    return {**config, "rope_local_base_freq": float(hparam("rope.freq_base_swa", _LOCAL_THETA))}
+
+
 ARCHITECTURE = Architecture(
     name="gemma3_text",
     hf_classes=("Gemma3ForCausalLM",),
@@ -48,4 +61,7 @@ ARCHITECTURE = Architecture(
     tp_splits=TP_SPLITS,
     adapt_config=_gemma3,
     activations=gemma2.ARCHITECTURE.activations,
+    gguf=GGUFFormat(
+        names=("gemma3",), layer_names=gemma2.GGUF_LAYER_NAMES, norm_offset=gemma2.GGUF_NORM_OFFSET, config=_gemma3_gguf
+    ),  # fmt: skip
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.gguf_format import GGUFFormat
 from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.registry import Architecture, FusedParameter
 from gpu_runtime.model.tp_checkpoint import (
@@ -60,6 +61,5 @@ ARCHITECTURE = Architecture(
     model_class=LlamaForCausalLM,
     fused=FUSED,
     tp_splits=TP_SPLITS,
-    gguf_names=("llama",),  # Mistral GGUFs say "llama" too: llama.cpp converts them as Llama
-    gguf_qk_interleaved=True,
+    gguf=GGUFFormat(names=("llama",), qk_interleaved=True),  # Mistral GGUFs say "llama" too: converted as Llama
 )

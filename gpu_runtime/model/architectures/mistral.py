@@ -17,5 +17,5 @@ def _capped_at_window(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
 
 ARCHITECTURE = dataclasses.replace(
     llama.ARCHITECTURE, name="mistral", hf_classes=("MistralForCausalLM",), adapt_config=_capped_at_window,
-    gguf_names=(),
+    gguf=None,
 )  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_runtime.model.architectures import llama, mistral
 from gpu_runtime.model.config import ModelConfig, MoeConfig
+from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
 from gpu_runtime.model.moe import MixtralForCausalLM
 from gpu_runtime.model.registry import Architecture, ExpertParameter
 from gpu_runtime.model.tp_checkpoint import REPLICATED, column_parallel, row_parallel
@@ -51,6 +52,23 @@ TP_SPLITS = {
     "block_sparse_moe.experts.*.w2": row_parallel(expert_width),
 }
 
+# llama.cpp writes Mixtral as "llama" with merged expert tensors (and llama.expert_count set).
+GGUF_LAYER_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.*.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.*.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.*.w2",
+}
+
+
+def _from_gguf(hparam: Hparam, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **config,
+        "num_local_experts": int(hparam("expert_count", 0)),
+        "num_experts_per_tok": int(hparam("expert_used_count", 0)),
+    }
+
+
 ARCHITECTURE = Architecture(
     name="mixtral",
     hf_classes=("MixtralForCausalLM",),
@@ -59,4 +77,7 @@ ARCHITECTURE = Architecture(
     tp_splits=TP_SPLITS,
     adapt_config=_sparse_layers,
     experts=EXPERTS,
+    gguf=GGUFFormat(
+        names=("llama",), qk_interleaved=True, experts=True, layer_names=GGUF_LAYER_NAMES, config=_from_gguf
+    ),  # fmt: skip
 )

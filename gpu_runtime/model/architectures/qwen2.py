@@ -7,6 +7,7 @@ from typing import Any
 
 from gpu_runtime.model.architectures import llama
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.gguf_format import GGUFFormat
 
 
 def _qkv_biases(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
@@ -15,5 +16,5 @@ def _qkv_biases(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
 
 ARCHITECTURE = dataclasses.replace(
     llama.ARCHITECTURE, name="qwen2", hf_classes=("Qwen2ForCausalLM",), adapt_config=_qkv_biases,
-    gguf_names=("qwen2",), gguf_qk_interleaved=False,
+    gguf=GGUFFormat(names=("qwen2",)),
 )  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpu_runtime.model.architectures import llama
+from gpu_runtime.model.gguf_format import GGUFFormat
 from gpu_runtime.model.qwen3 import Qwen3ForCausalLM
 from gpu_runtime.model.tp_checkpoint import REPLICATED
 
@@ -15,5 +16,5 @@ TP_SPLITS = {**llama.TP_SPLITS, "self_attn.q_norm": REPLICATED, "self_attn.k_nor
 
 ARCHITECTURE = dataclasses.replace(
     llama.ARCHITECTURE, name="qwen3", hf_classes=("Qwen3ForCausalLM",), model_class=Qwen3ForCausalLM,
-    tp_splits=TP_SPLITS, gguf_names=("qwen3",), gguf_qk_interleaved=False,
+    tp_splits=TP_SPLITS, gguf=GGUFFormat(names=("qwen3",)),
 )  # fmt: skip

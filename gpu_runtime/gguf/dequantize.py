@@ -51,6 +51,24 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return d * _nibbles(blocks[:, 4:], 16).float() + m
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 high bits, one per value in order: value j's is bit j of the 4 little-endian bytes."""
+    bits = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh.unsqueeze(-1) >> bits) & 1).reshape(qh.shape[0], 32)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = _nibbles(blocks[:, 6:], 16) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return d * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    q = _nibbles(blocks[:, 8:], 16) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return d * q.float() + m
+
+
 def _k_scales_and_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eight 6-bit scales and eight 6-bit mins packed into Q4_K's 12 bytes (ggml's get_scale_min_k4)."""
     scales = scales.reshape(-1, 3, 4)
@@ -68,6 +86,19 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     offset = (dmin * mins.float()).reshape(n, -1, 1)
     q = _nibbles(blocks[:, 16:], 32).reshape(n, -1, 32).float()
     return (scale * q - offset).reshape(n, QK_K)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K's scales and nibbles, plus a fifth bit per value: sub-block s (of 32 values) takes bit s of qh[l]."""
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    sc, mins = _k_scales_and_mins(blocks[:, 4:16])
+    scale = (d * sc.float()).reshape(n, -1, 1)
+    offset = (dmin * mins.float()).reshape(n, -1, 1)
+    low = _nibbles(blocks[:, 48:], 32).reshape(n, -1, 32)
+    bits = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> bits) & 1
+    return (scale * (low | (high << 4)).float() - offset).reshape(n, QK_K)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -92,7 +123,10 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.Q5_0: _q5_0,
+    GGMLQuantizationType.Q5_1: _q5_1,
     GGMLQuantizationType.Q4_K: _q4_k,
+    GGMLQuantizationType.Q5_K: _q5_k,
     GGMLQuantizationType.Q6_K: _q6_k,
 }
 SUPPORTED_TYPES = [t.name for t in [*FLOAT_TYPES, *DEQUANTIZERS]]

@@ -27,12 +27,12 @@ _ENGINE = """
 """
 _DAEMON = """
     admission autoscale bench_serving chaos_script chat_template_transformers cli default_model default_model_real
-    deploy_systemd disaggregated dockerfile embeddings_served gguf_families gateway_hardening gateway_openai gpu_check
-    gpu_pinning grpc_reflection ipc_hardening kubernetes_manifests liveness logs metering metrics_api_port multi_model
-    openai_surface perf_report playground_browser process_imports request_id rollout rollout_commands sampling_served
-    serve_cancel serve_errors serve_flags serve_host serve_ipc serve_lifecycle serve_readiness serve_streaming
-    sighup_reload sim_autoscale tenant_isolation tenants tensor_parallel_daemon tensor_parallel_engine
-    tensor_parallel_model tokenize_off_loop
+    deploy_systemd disaggregated dockerfile embeddings_served gateway_hardening gateway_openai gguf_families gpu_check
+    gpu_pinning grpc_reflection ipc_hardening kubernetes_manifests liveness logs metering metrics_api_port
+    model_families_served multi_model openai_surface perf_report playground_browser process_imports request_id rollout
+    rollout_commands sampling_served serve_cancel serve_errors serve_flags serve_host serve_ipc serve_lifecycle
+    serve_readiness serve_streaming sighup_reload sim_autoscale tenant_isolation tenants tensor_parallel_daemon
+    tensor_parallel_engine tensor_parallel_model tokenize_off_loop
 """
 
 # Test file (its path under tests/) -> tier.

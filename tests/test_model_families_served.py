@@ -1,0 +1,57 @@
+"""The newer families through a real daemon: Gemma 3 (sliding windows, soft-capped logits, its own local theta),
+Qwen3-MoE (sparse and dense layers) and Phi-3 (fused projections, every layer windowed) served side by side from
+one config file. Over gRPC each streams transformers' greedy tokens for 16 prompts x 48 tokens, in 64-token prefill
+chunks beside running decodes, and a second round finds the shared prefix (longer than the windows) in the prefix
+cache and still streams the same tokens. (Offline, per attention backend and at tensor_parallel_size=2:
+test_model_families.py.)"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from checkpoints import GEMMA3, PHI3, QWEN3_MOE, write_checkpoint
+from conftest import NUM_REFERENCE_TOKENS, transformers_greedy
+from daemon_harness import Daemon
+from test_model_families import SHARED_PREFIX, family_prompts
+
+from tokend.v1 import tokend_pb2 as pb
+
+FAMILIES = {"gemma3": GEMMA3, "qwen3-moe": QWEN3_MOE, "phi3": PHI3}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The daemon serving each family's checkpoint under its name, and transformers' greedy tokens for each."""
+    prompts = family_prompts()
+    expected, models = {}, []
+    for name, spec in FAMILIES.items():
+        model_dir = write_checkpoint(tmp_path_factory.mktemp(name), spec)
+        expected[name] = transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+        models.append(f'[[models]]\nname = "{name}"\npath = "{model_dir}"\n')
+    config = tmp_path_factory.mktemp("config") / "tokend.toml"
+    config.write_text("\n".join(models))
+    with Daemon("--config", str(config), "--max-num-batched-tokens", "64") as daemon:
+        yield daemon, prompts, expected
+
+
+def _stream(daemon: Daemon, model: str, prompt: list[int]) -> tuple[list[int], int]:
+    """The streamed tokens and the cached prompt tokens the final usage reports."""
+    request = pb.GenerateRequest(
+        model=model,
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(max_tokens=NUM_REFERENCE_TOKENS, temperature=0, ignore_eos=True),
+    )
+    chunks = list(daemon.generation.Generate(request, timeout=120))
+    return [t for chunk in chunks for t in chunk.token_ids], chunks[-1].usage.cached_tokens
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_streams_transformers_greedy_tokens_with_prefix_caching_and_chunked_prefill(served, name):
+    daemon, prompts, expected = served
+    with ThreadPoolExecutor(8) as pool:
+        first = list(pool.map(lambda p: _stream(daemon, name, p), prompts))
+        assert [tokens for tokens, _ in first] == expected[name]
+        again = list(pool.map(lambda p: _stream(daemon, name, p), prompts))  # the prefixes are cached now
+    assert [tokens for tokens, _ in again] == expected[name]
+    assert sum(cached for _, cached in again) >= SHARED_PREFIX * len(prompts) // 2

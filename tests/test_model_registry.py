@@ -110,10 +110,11 @@ def test_the_newer_families_are_entries_with_their_own_model_classes():
     }  # fmt: skip
     # Their GGUF files (test_gguf_families.py): Mixtral says "llama" and is told apart by its merged experts.
     gguf_files = {("qwen3", False): "qwen3", ("qwen3moe", True): "qwen3_moe", ("gemma2", False): "gemma2",
-                  ("gemma3", False): "gemma3_text", ("llama", True): "mixtral", ("llama", False): "llama"}  # fmt: skip
+                  ("gemma3", False): "gemma3_text", ("llama", True): "mixtral", ("llama", False): "llama",
+                  ("phi3", False): "phi3"}  # fmt: skip
     for (gguf_name, experts), name in gguf_files.items():
         assert registry.gguf_architecture(gguf_name, experts) is names[name]
-    assert names["mixtral"].gguf.qk_interleaved and names["phi3"].gguf is None  # Phi-3's fused layout: not yet
+    assert names["mixtral"].gguf.qk_interleaved and names["phi3"].gguf.partial_rotary
 
 
 @pytest.mark.fast

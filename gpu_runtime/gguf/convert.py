@@ -32,7 +32,7 @@ from gpu_runtime.gguf.dequantize import FLOAT_TYPES, check_supported, dequantize
 from gpu_runtime.gguf.model_config import generation_config, gguf_entry, hf_config
 from gpu_runtime.gguf.reader import GGUFFile, engine_shape, read_gguf
 from gpu_runtime.gguf.tokenizer import build_tokenizer, tokenizer_config
-from gpu_runtime.gguf.weights import SKIPPED, CheckpointNames
+from gpu_runtime.gguf.weights import ROPE_TENSORS, SKIPPED, CheckpointNames
 from gpu_runtime.quant.blocks import QUANTIZED_WEIGHTS_FILE, keeps_blocks
 
 CONVERTER_VERSION = 1  # bump when the output changes, so that stale conversions are not served
@@ -69,9 +69,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, keep_blocks: bool = False) -> N
     tensors = {t.name: t for t in gguf.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model: GGUF file {gguf_path} has no token_embd.weight: not a language model tokend reads")
-    rope_factors = _dequantized(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    rope_tensors = {name: _dequantized(tensors[name]) for name in ROPE_TENSORS if name in tensors}
     entry = gguf_entry(gguf)  # refuses an architecture tokend does not read, naming it
-    config = hf_config(gguf, entry, rope_factors)
+    config = hf_config(gguf, entry, rope_tensors)
     tokenizer = build_tokenizer(gguf)
     weights = [t for name, t in tensors.items() if name not in SKIPPED]
     checkpoint_names = CheckpointNames(entry.gguf, entry.name, int(gguf.hparam("expert_count", 0) or 0))

@@ -28,14 +28,16 @@ def gguf_entry(gguf: GGUFFile) -> registry.Architecture:
     return entry
 
 
-def hf_config(gguf: GGUFFile, entry: registry.Architecture, rope_factors: torch.Tensor | None) -> dict[str, Any]:
-    """config.json for the model; `rope_factors` is the file's `rope_freqs.weight` (Llama 3.1 scaling), if any."""
+def hf_config(gguf: GGUFFile, entry: registry.Architecture, rope_tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """config.json for the model; `rope_tensors` are the file's rotary tensors by name (weights.ROPE_TENSORS):
+    `rope_freqs` (Llama 3.1's scaling), `rope_factors_long`/`_short` (Phi-3's longrope)."""
     hidden = int(_required(gguf, "embedding_length"))
     num_heads = int(_required(gguf, "attention.head_count"))
     head_dim = int(gguf.hparam("attention.key_length", hidden // num_heads))
     rotary_dims = int(gguf.hparam("rope.dimension_count", head_dim))
-    if rotary_dims != head_dim:
-        raise ValueError(f"model: GGUF rotates {rotary_dims} of {head_dim} head dimensions; tokend rotates all")
+    if rotary_dims != head_dim and not entry.gguf.partial_rotary:
+        raise ValueError(f"model: GGUF rotates {rotary_dims} of {head_dim} head dimensions; tokend rotates all "
+                         f"for {gguf.architecture!r}")  # fmt: skip
     scaling = gguf.hparam("rope.scaling.type", "none")
     if scaling not in ("none", "linear", None):
         raise ValueError(f"model: GGUF rope scaling {scaling!r} is not supported (none, linear, or Llama 3's)")
@@ -64,8 +66,17 @@ def hf_config(gguf: GGUFFile, entry: registry.Architecture, rope_factors: torch.
     }
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(_required(gguf, "rope.scaling.factor"))}
-    if rope_factors is not None:
-        config["rope_scaling"] = llama3_rope_scaling(rope_factors, theta, head_dim)
+    if rotary_dims != head_dim:
+        config["partial_rotary_factor"] = rotary_dims / head_dim
+    if "rope_freqs.weight" in rope_tensors:
+        config["rope_scaling"] = llama3_rope_scaling(rope_tensors["rope_freqs.weight"], theta, head_dim)
+    if "rope_factors_long.weight" in rope_tensors:  # longrope; the attention factor follows from the two lengths
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": rope_tensors["rope_factors_long.weight"].tolist(),
+            "short_factor": rope_tensors["rope_factors_short.weight"].tolist(),
+        }
+        config["original_max_position_embeddings"] = int(_required(gguf, "rope.scaling.original_context_length"))
     return entry.gguf.config(gguf.hparam, config)
 
 

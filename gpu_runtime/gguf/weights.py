@@ -17,8 +17,10 @@ import torch
 
 from gpu_runtime.model.gguf_format import GLOBAL_NAMES, GGUFFormat
 
-# Tensors that carry no weights of their own: the rotary frequencies are recomputed from the config.
-SKIPPED = frozenset({"rope_freqs.weight"})
+# Tensors that carry no weights of their own, only rotary settings (Llama 3.1's frequency factors, Phi-3's longrope
+# factors): they become config.json's rope_scaling, and the frequencies are recomputed from it.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+SKIPPED = frozenset(ROPE_TENSORS)
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^(\w+)\.(weight|bias)$")
 

@@ -53,6 +53,8 @@ class GGUFFormat:
     experts: bool = False
     # Layer tensors named otherwise than LLAMA_LAYER_NAMES (or absent from it), over that table.
     layer_names: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Whether the file may rotate fewer dimensions than a head has (rope.dimension_count: Phi-4-mini's 96 of 128).
+    partial_rotary: bool = False
     # What the converter added to every norm weight (Gemma stores 1 + w, the factor its RMSNorm multiplies by).
     norm_offset: float = 0.0
     # The config.json keys this family reads from its own metadata, over the ones every family has.

@@ -11,6 +11,7 @@ from typing import Any
 
 from gpu_runtime.model.architectures import llama
 from gpu_runtime.model.config import ModelConfig, RopeConfig
+from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
 from gpu_runtime.model.phi3 import Phi3ForCausalLM
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.model.tp_checkpoint import fused_column_parallel
@@ -63,6 +64,15 @@ TP_SPLITS = {
     "mlp.gate_up_proj": fused_column_parallel(lambda config: (llama.mlp_width(config),) * 2),
 }
 
+
+def _from_gguf(hparam: Hparam, config: dict[str, Any]) -> dict[str, Any]:
+    window = hparam("attention.sliding_window", 0)  # the converter writes 0 for none (Phi-4-mini)
+    return {**config, "sliding_window": int(window) or None}
+
+
+# llama.cpp's names for the checkpoint's own fused tensors (its ffn_up is Phi-3's gate_up_proj, gate rows first).
+GGUF_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
 ARCHITECTURE = Architecture(
     name="phi3",
     hf_classes=("Phi3ForCausalLM",),
@@ -71,4 +81,5 @@ ARCHITECTURE = Architecture(
     tp_splits=TP_SPLITS,
     adapt_config=_phi3,
     rope_types=("default", "longrope"),
+    gguf=GGUFFormat(names=("phi3",), layer_names=GGUF_LAYER_NAMES, partial_rotary=True, config=_from_gguf),
 )

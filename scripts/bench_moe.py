@@ -1,10 +1,11 @@
 """The sparse MoE block (gpu_runtime/model/moe.py) against a dense MLP with the same active parameters per token.
 
 A Qwen3-MoE-like layer scaled to a CPU: hidden 1024, 32 experts of width 256, the top 4 per token (1024 active
-columns), against a dense SwiGLU MLP of width 1024. At batch 1 both read about the same weights; at batch 32 the
-tokens' 128 assignments touch nearly every expert, so the MoE block reads nearly all 32 experts' weights (8x the
-dense MLP's) and runs up to 32 small matmul pairs: on a memory-bound CPU its ratio is bounded below by the weights
-it reads (printed as `weights_read_ratio`), not by its arithmetic.
+columns), against a dense SwiGLU MLP of width 1024, both with their weights packed for oneDNN as the engine packs
+them on a CPU. At batch 1 both read about the same weights; at batch 32 the tokens' 128 assignments touch nearly
+every expert, so the MoE block reads nearly all 32 experts' weights (8x the dense MLP's) and runs up to 32 small
+matmul pairs: on a memory-bound CPU its ratio is bounded below by the weights it reads (printed as
+`weights_read_ratio`), not by its arithmetic.
 
 The floor is measured, not assumed: the machine's read bandwidth (summing a 512 MiB tensor, best of five) gives
 the least time reading the touched experts' weights can take (`moe_floor_ms`), and `moe_over_floor` says how close
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_runtime.model.config import ModelConfig, MoeConfig, RopeConfig  # noqa: E402
+from gpu_runtime.model.cpu_weights import prepack_linears  # noqa: E402
 from gpu_runtime.model.llama import MLP  # noqa: E402
 from gpu_runtime.model.moe import SparseMoeBlock  # noqa: E402
 
@@ -70,6 +72,7 @@ def main() -> None:
     for module in (moe, dense):
         for param in module.parameters():
             param.normal_(0.0, 0.02)
+        prepack_linears(module)  # as the engine does on a CPU in float32: dense linears and experts alike
     bandwidth, peak = read_bandwidth(), matmul_peak()
     expert_bytes = 3 * WIDTH * HIDDEN * 4  # gate, up and down, float32
     dense_bytes = 3 * TOP_K * WIDTH * HIDDEN * 4

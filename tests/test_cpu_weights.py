@@ -1,5 +1,6 @@
-"""Linear weights prepacked for oneDNN on the CPU: the same numbers as nn.Linear, every matmul of a float32 CPU
-engine packed, a tied embedding table left whole, and greedy outputs still transformers'."""
+"""Linear weights prepacked for oneDNN on the CPU: the same numbers as nn.Linear (an MoE block's stacked experts
+too), every matmul of a float32 CPU engine packed, a tied embedding table left whole, and greedy outputs still
+transformers'."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from conftest import random_prompts, transformers_greedy
 from torch import nn
 
 from gpu_runtime import LLM, SamplingParams
-from gpu_runtime.model.cpu_weights import PackedLinear, can_prepack, dense_weight
+from gpu_runtime.model.config import ModelConfig, MoeConfig, RopeConfig
+from gpu_runtime.model.cpu_weights import PackedLinear, can_prepack, dense_weight, prepack_linears
+from gpu_runtime.model.moe import SparseMoeBlock
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 
@@ -25,6 +28,28 @@ def test_a_packed_linear_computes_what_the_plain_one_does(bias, rows):
     packed = PackedLinear(plain)
     torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dense_weight(packed), plain.weight.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_packed_experts_compute_what_the_stacked_ones_do_and_replace_them(rows):
+    moe = MoeConfig(num_experts=6, top_k=2, intermediate_size=48, renormalize=True, layers=(True,))
+    config = ModelConfig(
+        architecture="mixtral", vocab_size=64, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope=RopeConfig(theta=1e4), max_model_len=128,
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, eos_token_ids=(), bos_token_id=None,
+        moe=moe,
+    )  # fmt: skip
+    torch.manual_seed(rows)
+    block = SparseMoeBlock(config)
+    for param in block.parameters():
+        param.data.normal_(0.0, 0.2)
+    x = torch.randn(rows, 32)
+    with torch.inference_mode():
+        expected = block(x)
+        assert prepack_linears(block) == 2  # the router (an nn.Linear) and the experts
+        got = block(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert block.experts.gate_up_proj is None and block.experts.down_proj is None  # no second copy kept
 
 
 def test_a_float32_cpu_engine_packs_every_matmul(reference_case):

@@ -21,19 +21,28 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+def pack_matrix(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight reordered into oneDNN's blocked layout, for packed_matmul."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a weight made by pack_matrix."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W in oneDNN's blocked layout; the same numbers as nn.Linear up to summation order."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("packed_weight", pack_matrix(linear.weight), persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_matmul(x, self.packed_weight, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as nn.Linear holds it (a copy): for benchmarks that compare against plain matmuls."""
@@ -42,12 +51,24 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear under `model` with a PackedLinear, one at a time (each plain weight is freed as
-    its packed one is made, so memory peaks at the weights plus one matrix); returns how many it packed."""
+    its packed one is made, so memory peaks at the weights plus one matrix), and packs the modules that hold stacked
+    matrices of their own (an MoE block's experts: their `prepack()`); returns how many modules it packed."""
     places = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
               if isinstance(child, nn.Linear)]  # fmt: skip
     for parent, name in places:
         setattr(parent, name, PackedLinear(getattr(parent, name)))
-    return len(places)
+    stacked = [module for module in model.modules() if isinstance(module, StackedMatrices)]
+    for module in stacked:
+        module.prepack()
+    return len(places) + len(stacked)
+
+
+class StackedMatrices(nn.Module):
+    """A module whose weights are [n, out, in] stacks of matrices (an MoE block's experts) rather than nn.Linear
+    layers: prepack_linears calls its prepack(), which packs each matrix and drops the stacked parameters."""
+
+    def prepack(self) -> None:
+        raise NotImplementedError
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:

@@ -19,14 +19,19 @@ from torch import nn
 
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.model.cpu_weights import StackedMatrices, pack_matrix, packed_matmul
 from gpu_runtime.model.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
 from gpu_runtime.model.qwen3 import QKNormAttention
 from gpu_runtime.model.tensor_parallel import TensorParallel
 
 
-class Experts(nn.Module):
+class Experts(StackedMatrices):
     """The experts' gated MLPs as two stacked parameters: gate_up_proj [experts, 2 * width, hidden] (each expert's
-    gate rows, then its up rows) and down_proj [experts, hidden, width]."""
+    gate rows, then its up rows) and down_proj [experts, hidden, width].
+
+    On a CPU in float32 the loader packs each expert's two matrices for oneDNN (prepack(), from cpu_weights'
+    prepack_linears, as it packs every nn.Linear): a plain F.linear repacks its weight at every call, which for
+    an expert's few rows costs more than the product (scripts/bench_moe.py: 1.7x at batch 32)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -35,22 +40,40 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * self.width, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, self.width))
         self.act = ACTIVATIONS[config.hidden_act]
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert (gate_up, down), if packed
+
+    def prepack(self) -> None:
+        """Packs each expert's matrices and drops the stacked parameters (the packed copies are buffers, counted
+        in the model's bytes)."""
+        self.packed = []
+        for expert, (gate_up, down) in enumerate(zip(self.gate_up_proj, self.down_proj, strict=True)):
+            self.packed.append((pack_matrix(gate_up), pack_matrix(down)))
+            self.register_buffer(f"packed_gate_up_{expert}", self.packed[-1][0], persistent=False)
+            self.register_buffer(f"packed_down_{expert}", self.packed[-1][1], persistent=False)
+        self.gate_up_proj = self.down_proj = None
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[expert]
+            gate, up = packed_matmul(rows, gate_up).split(self.width, dim=-1)
+            return packed_matmul(self.act(gate) * up, down)
+        gate, up = nn.functional.linear(rows, self.gate_up_proj[expert]).split(self.width, dim=-1)
+        return nn.functional.linear(self.act(gate) * up, self.down_proj[expert])
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden]: each token's chosen experts ([tokens, top_k] ids) weighted by `weights`, summed."""
         top_k = chosen.shape[1]
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()  # one host read per layer
+        num_experts = len(self.packed) if self.packed is not None else self.gate_up_proj.shape[0]
+        counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host read per layer
         token_of = order // top_k
         routed = x.index_select(0, token_of)  # [tokens * top_k, hidden], expert by expert
         out = torch.empty_like(routed)
         start = 0
         for expert, count in enumerate(counts):
             if count:
-                rows = slice(start, start + count)
-                gate, up = nn.functional.linear(routed[rows], self.gate_up_proj[expert]).split(self.width, dim=-1)
-                out[rows] = nn.functional.linear(self.act(gate) * up, self.down_proj[expert])
+                out[start : start + count] = self._expert(expert, routed[start : start + count])
             start += count
         # Back in (token, choice) order, each token's k outputs weighted and summed. (Not index_add_ into the
         # tokens' rows: on a CPU that is a serial scatter, 50 times the experts' matmuls at batch 1.)

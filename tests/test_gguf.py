@@ -231,7 +231,7 @@ def test_converted_once_then_reused_and_converted_anew_when_the_file_changes(tmp
 
 @pytest.mark.parametrize(
     ("options", "refusal"),
-    [({"arch": "phi3"}, "architecture 'phi3'"), ({"pre": "no-such-split"}, "pre-tokenizer 'no-such-split'")],
+    [({"arch": "falcon"}, "architecture 'falcon'"), ({"pre": "no-such-split"}, "pre-tokenizer 'no-such-split'")],
 )
 def test_an_unsupported_architecture_or_tokenizer_is_refused_by_name(tmp_path, options, refusal):
     path = tmp_path / "other.gguf"

@@ -71,5 +71,8 @@ step "building the CPU attention kernel ($why)"
 # The quantized GGUF matmul kernel (--quantization auto), likewise built now rather than at a first start.
 step "building the CPU quantized-matmul kernel ($why)"
 "$venv/bin/python" -m gpu_runtime.quant.kernel || step "no quantized-matmul kernel: GGUF weights are dequantized"
+# The MoE experts' grouped-matmul kernel, likewise.
+step "building the CPU MoE kernel ($why)"
+"$venv/bin/python" -m gpu_runtime.model.moe_kernel || step "no MoE kernel: experts run as packed oneDNN matmuls"
 echo "$want" > "$stamp"
 step "ready"

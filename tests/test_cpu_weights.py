@@ -14,6 +14,7 @@ from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.model.config import ModelConfig, MoeConfig, RopeConfig
 from gpu_runtime.model.cpu_weights import PackedLinear, can_prepack, dense_weight, prepack_linears
 from gpu_runtime.model.moe import SparseMoeBlock
+from gpu_runtime.model.moe_kernel import load_grouped_matmul
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 
@@ -30,8 +31,14 @@ def test_a_packed_linear_computes_what_the_plain_one_does(bias, rows):
     torch.testing.assert_close(dense_weight(packed), plain.weight.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("path", ["kernel", "onednn"])
 @pytest.mark.parametrize("rows", [1, 9, 64])
-def test_packed_experts_compute_what_the_stacked_ones_do_and_replace_them(rows):
+def test_prepared_experts_compute_what_the_stacked_ones_do(rows, path, monkeypatch):
+    """The grouped-matmul kernel, or (where it cannot be built) each expert packed for oneDNN."""
+    if path == "onednn":
+        monkeypatch.setattr("gpu_runtime.model.moe.load_grouped_matmul", lambda: None)
+    elif load_grouped_matmul() is None:
+        pytest.skip("the MoE kernel cannot be built here")
     moe = MoeConfig(num_experts=6, top_k=2, intermediate_size=48, renormalize=True, layers=(True,))
     config = ModelConfig(
         architecture="mixtral", vocab_size=64, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=4,
@@ -49,7 +56,8 @@ def test_packed_experts_compute_what_the_stacked_ones_do_and_replace_them(rows):
         assert prepack_linears(block) == 2  # the router (an nn.Linear) and the experts
         got = block(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert block.experts.gate_up_proj is None and block.experts.down_proj is None  # no second copy kept
+    if path == "onednn":  # no second copy kept
+        assert block.experts.gate_up_proj is None and block.experts.down_proj is None
 
 
 def test_a_float32_cpu_engine_packs_every_matmul(reference_case):

@@ -63,6 +63,26 @@ def load_cpu_kernel():
         return None
 
 
+def build_library(prefix: str, source: Path) -> None:
+    """Builds a C++ source that registers its own torch operators (once per machine, CPU, torch and source: the
+    directory's name keys them in) into the kernels cache, and loads it into torch; raises what the build raised."""
+    from torch.utils.cpp_extension import load_inline
+
+    text = source.read_text()
+    name = f"{prefix}_{build_fingerprint(text)}"
+    directory = kernel_directory() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    load_inline(
+        name=name,
+        cpp_sources=[text],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,  # loaded into torch: the source registers its operators itself
+        verbose=False,
+    )
+
+
 def build_fingerprint(extra: str = "") -> str:
     """What a built library depends on besides its source: the CPU's instruction set, torch's version and where torch
     is installed (and `extra`, for a kernel that keys its source in too). The place matters because the build file

@@ -21,6 +21,7 @@ from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.cpu_weights import StackedMatrices, pack_matrix, packed_matmul
 from gpu_runtime.model.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
+from gpu_runtime.model.moe_kernel import load_grouped_matmul
 from gpu_runtime.model.qwen3 import QKNormAttention
 from gpu_runtime.model.tensor_parallel import TensorParallel
 
@@ -29,9 +30,11 @@ class Experts(StackedMatrices):
     """The experts' gated MLPs as two stacked parameters: gate_up_proj [experts, 2 * width, hidden] (each expert's
     gate rows, then its up rows) and down_proj [experts, hidden, width].
 
-    On a CPU in float32 the loader packs each expert's two matrices for oneDNN (prepack(), from cpu_weights'
-    prepack_linears, as it packs every nn.Linear): a plain F.linear repacks its weight at every call, which for
-    an expert's few rows costs more than the product (scripts/bench_moe.py: 1.7x at batch 32)."""
+    On a CPU in float32 the loader prepares them as it packs every nn.Linear (prepack(), from cpu_weights'
+    prepack_linears): the grouped-matmul kernel (moe_kernel.py) then runs every expert's rows in one call that
+    reads each touched expert's weights once; where it cannot be built, each expert's matrices are packed for
+    oneDNN. Either beats a plain F.linear per expert, which repacks the expert's weight at every call
+    (scripts/bench_moe.py)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -40,17 +43,26 @@ class Experts(StackedMatrices):
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * self.width, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, self.width))
         self.act = ACTIVATIONS[config.hidden_act]
+        self.grouped_matmul = None  # the CPU kernel, once prepack() found it
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert (gate_up, down), if packed
 
     def prepack(self) -> None:
-        """Packs each expert's matrices and drops the stacked parameters (the packed copies are buffers, counted
-        in the model's bytes)."""
+        self.grouped_matmul = load_grouped_matmul()
+        if self.grouped_matmul is not None:
+            return  # the kernel reads the stacked parameters as they are
+        # Each expert's matrices packed, the stacked parameters dropped (the packed copies are buffers, counted in
+        # the model's bytes).
         self.packed = []
         for expert, (gate_up, down) in enumerate(zip(self.gate_up_proj, self.down_proj, strict=True)):
             self.packed.append((pack_matrix(gate_up), pack_matrix(down)))
             self.register_buffer(f"packed_gate_up_{expert}", self.packed[-1][0], persistent=False)
             self.register_buffer(f"packed_down_{expert}", self.packed[-1][1], persistent=False)
         self.gate_up_proj = self.down_proj = None
+
+    def _grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every expert's rows through its gated MLP, two kernel calls for all of them."""
+        gate, up = self.grouped_matmul(routed, counts, self.gate_up_proj).split(self.width, dim=-1)
+        return self.grouped_matmul(self.act(gate) * up, counts, self.down_proj)
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -66,15 +78,18 @@ class Experts(StackedMatrices):
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order within each
         num_experts = len(self.packed) if self.packed is not None else self.gate_up_proj.shape[0]
-        counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host read per layer
+        counts = torch.bincount(flat, minlength=num_experts)
         token_of = order // top_k
         routed = x.index_select(0, token_of)  # [tokens * top_k, hidden], expert by expert
-        out = torch.empty_like(routed)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                out[start : start + count] = self._expert(expert, routed[start : start + count])
-            start += count
+        if self.grouped_matmul is not None and routed.dtype == torch.float32 and routed.device.type == "cpu":
+            out = self._grouped(routed, counts)
+        else:
+            out = torch.empty_like(routed)
+            start = 0
+            for expert, count in enumerate(counts.tolist()):  # one host read per layer
+                if count:
+                    out[start : start + count] = self._expert(expert, routed[start : start + count])
+                start += count
         # Back in (token, choice) order, each token's k outputs weighted and summed. (Not index_add_ into the
         # tokens' rows: on a CPU that is a serial scatter, 50 times the experts' matmuls at batch 1.)
         by_token = torch.empty_like(out).index_copy_(0, order, out).view(-1, top_k, out.shape[-1])

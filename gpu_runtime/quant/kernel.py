@@ -15,33 +15,18 @@ from pathlib import Path
 import structlog
 import torch
 
+# Built with cpu_kernel's flags: -march=native (AVX2 + FMA + F16C where the machine has them; the source falls back
+# to float dot products without AVX2), -fopenmp (at::parallel_for uses torch's OpenMP threads).
 _SOURCE = Path(__file__).with_name("csrc") / "quant_matmul_cpu.cpp"
-# -march=native: built on, and for, the machine that runs it (AVX2 + FMA + F16C where it has them; the source
-# falls back to float dot products without AVX2). -fopenmp: at::parallel_for uses torch's OpenMP threads.
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 @functools.cache
 def load_quant_kernel():
     """torch.ops.tokend_quant once the library is built and loaded, or None if it cannot be built here."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        from gpu_runtime.attention.cpu_kernel import build_library
 
-        from gpu_runtime.attention.cpu_kernel import build_fingerprint, kernel_directory
-
-        source = _SOURCE.read_text()
-        name = f"tokend_quant_matmul_{build_fingerprint(source)}"
-        directory = kernel_directory() / name
-        directory.mkdir(parents=True, exist_ok=True)
-        load_inline(
-            name=name,
-            cpp_sources=[source],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,  # loaded into torch: the source registers its operators itself
-            verbose=False,
-        )
+        build_library("tokend_quant_matmul", _SOURCE)
         return torch.ops.tokend_quant
     except Exception as error:  # a missing compiler, ninja or header; a read-only directory; a build error
         reason = f"{type(error).__name__}: {str(error).strip()[:300]}"

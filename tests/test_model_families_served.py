@@ -1,25 +1,32 @@
-"""The newer families through a real daemon: Gemma 3 (sliding windows, soft-capped logits, its own local theta),
-Qwen3-MoE (sparse and dense layers) and Phi-3 (fused projections, every layer windowed) served side by side from
-one config file. Over gRPC each streams transformers' greedy tokens for 16 prompts x 48 tokens, in 64-token prefill
-chunks beside running decodes, and a second round finds the shared prefix (longer than the windows) in the prefix
-cache and still streams the same tokens. A daemon at tensor_parallel_size=2 (every model's group two rank
-processes) streams the same tokens for Gemma 3 (its soft-capped logits gathered from both ranks' vocabulary shards)
-and Qwen3-MoE (each expert split across the ranks). (Offline, per attention backend and at tensor_parallel_size=2:
-test_model_families.py.)"""
+"""The newer families through a real daemon: Qwen3 (per-head q/k norms), Mixtral and Qwen3-MoE (sparse and dense
+layers), Gemma 2 and Gemma 3 (sliding windows, soft-caps, Gemma 3's own local theta) and Phi-3 (fused projections,
+every layer windowed) served side by side from one config file. Over gRPC each streams transformers' greedy tokens
+for 16 prompts x 48 tokens, in 64-token prefill chunks beside running decodes, and a second round finds the shared
+prefix (longer than the windows) in the prefix cache and still streams the same tokens. A daemon at
+tensor_parallel_size=2 (every model's group two rank processes) streams the same tokens for Gemma 3 (its
+soft-capped logits gathered from both ranks' vocabulary shards) and Qwen3-MoE (each expert split across the ranks).
+(Offline, per attention backend and at tensor_parallel_size=2: test_model_families.py.)"""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from checkpoints import GEMMA3, PHI3, QWEN3_MOE, write_checkpoint
+from checkpoints import GEMMA2, GEMMA3, MIXTRAL, PHI3, QWEN3, QWEN3_MOE, write_checkpoint
 from conftest import NUM_REFERENCE_TOKENS, transformers_greedy
 from daemon_harness import Daemon
 from test_model_families import SHARED_PREFIX, family_prompts
 
 from tokend.v1 import tokend_pb2 as pb
 
-FAMILIES = {"gemma3": GEMMA3, "qwen3-moe": QWEN3_MOE, "phi3": PHI3}
+FAMILIES = {
+    "qwen3": QWEN3,
+    "mixtral": MIXTRAL,
+    "qwen3-moe": QWEN3_MOE,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
+    "phi3": PHI3,
+}
 TENSOR_PARALLEL_FAMILIES = ("gemma3", "qwen3-moe")
 
 

@@ -14,7 +14,9 @@ import hashlib
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -81,6 +83,21 @@ def build_library(prefix: str, source: Path) -> None:
         is_python_module=False,  # loaded into torch: the source registers its operators itself
         verbose=False,
     )
+
+
+def load_library(prefix: str, source: Path, operators: Callable[[], Any], event: str, fallback: str) -> Any | None:
+    """build_library, then `operators()` (what the library registered); None where it cannot be built, said once:
+    a JSON warning `event` in a tokend process, a plain line on stderr elsewhere (the offline API)."""
+    try:
+        build_library(prefix, source)
+        return operators()
+    except Exception as error:  # a missing compiler, ninja or header; a read-only directory; a build error
+        reason = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        if structlog.is_configured():
+            structlog.get_logger().warning(event, reason=reason, fallback=fallback)
+        else:
+            print(f"tokend: {event} ({reason}); falling back to {fallback}", file=sys.stderr)
+        return None
 
 
 def build_fingerprint(extra: str = "") -> str:

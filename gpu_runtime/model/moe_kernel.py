@@ -13,8 +13,9 @@ import functools
 import sys
 from pathlib import Path
 
-import structlog
 import torch
+
+from gpu_runtime.attention.cpu_kernel import load_library
 
 _SOURCE = Path(__file__).with_name("csrc") / "grouped_matmul_cpu.cpp"
 
@@ -22,18 +23,8 @@ _SOURCE = Path(__file__).with_name("csrc") / "grouped_matmul_cpu.cpp"
 @functools.cache
 def load_grouped_matmul():
     """torch.ops.tokend_moe.grouped_matmul once the library is built and loaded, or None if it cannot be built."""
-    try:
-        from gpu_runtime.attention.cpu_kernel import build_library
-
-        build_library("tokend_moe_grouped_matmul", _SOURCE)
-        return torch.ops.tokend_moe.grouped_matmul
-    except Exception as error:  # a missing compiler, ninja or header; a read-only directory; a build error
-        reason = f"{type(error).__name__}: {str(error).strip()[:300]}"
-        if structlog.is_configured():
-            structlog.get_logger().warning("cpu_moe_kernel_unavailable", reason=reason, fallback="onednn")
-        else:
-            print(f"tokend: no CPU MoE kernel ({reason}); the experts run as packed oneDNN matmuls", file=sys.stderr)
-        return None
+    return load_library("tokend_moe_grouped_matmul", _SOURCE, lambda: torch.ops.tokend_moe.grouped_matmul,
+                        "cpu_moe_kernel_unavailable", "onednn")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ import functools
 import sys
 from pathlib import Path
 
-import structlog
 import torch
+
+from gpu_runtime.attention.cpu_kernel import load_library
 
 # Built with cpu_kernel's flags: -march=native (AVX2 + FMA + F16C where the machine has them; the source falls back
 # to float dot products without AVX2), -fopenmp (at::parallel_for uses torch's OpenMP threads).
@@ -23,18 +24,8 @@ _SOURCE = Path(__file__).with_name("csrc") / "quant_matmul_cpu.cpp"
 @functools.cache
 def load_quant_kernel():
     """torch.ops.tokend_quant once the library is built and loaded, or None if it cannot be built here."""
-    try:
-        from gpu_runtime.attention.cpu_kernel import build_library
-
-        build_library("tokend_quant_matmul", _SOURCE)
-        return torch.ops.tokend_quant
-    except Exception as error:  # a missing compiler, ninja or header; a read-only directory; a build error
-        reason = f"{type(error).__name__}: {str(error).strip()[:300]}"
-        if structlog.is_configured():
-            structlog.get_logger().warning("cpu_quant_kernel_unavailable", reason=reason, fallback="dequantized")
-        else:
-            print(f"tokend: no CPU quantized-matmul kernel ({reason}); serving dequantized weights", file=sys.stderr)
-        return None
+    return load_library("tokend_quant_matmul", _SOURCE, lambda: torch.ops.tokend_quant,
+                        "cpu_quant_kernel_unavailable", "dequantized")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class Meter:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]  # record ids stay unique across frontend restarts
         self._running: dict[str, UsageRecord] = {}
+        self._none_running = asyncio.Event()
+        self._none_running.set()
 
     def new_record_id(self) -> str:
         """The id of a request's usage record, and the id its scheduler knows it by: unique across restarts."""
@@ -59,6 +61,7 @@ class Meter:
             updated_at=now,
         )
         self._running[record.record_id] = record
+        self._none_running.clear()
         self._ledger.checkpoint([record])
         return record
 
@@ -87,6 +90,8 @@ class Meter:
         self.progress(record, counts)
         record.status, record.finished_at = status, record.updated_at
         self._running.pop(record.record_id, None)
+        if not self._running:
+            self._none_running.set()
         await self._ledger.commit(record)
         labels = (record.tenant, record.model)
         m = self._metrics
@@ -120,6 +125,15 @@ class Meter:
             prompt_tokens=delta.num_prompt_tokens,
             completion_tokens=delta.num_output_tokens,
         )
+
+    async def settled(self, timeout: float) -> bool:
+        """Waits until every open record has its final row (a cancelled or aborted stream's final counts come from
+        its scheduler after the stream ended), at most `timeout` seconds; whether all did."""
+        try:
+            await asyncio.wait_for(self._none_running.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def checkpoint_forever(self) -> None:
         """Every second, the counts so far of every running request reach the ledger."""

@@ -137,7 +137,7 @@ async def serve(spec: FrontendSpec, log) -> None:
         link.fail_all("server is shutting down; retry on another instance")
         await lifecycle.wait_idle(5.0)
     await server.stop(grace=2.0)
-    await asyncio.sleep(0.5)  # aborted requests' final counts arrive and are metered
+    await meter.settled(timeout=0.5)  # aborted and cancelled requests' final counts arrive and are metered
     checkpoints.cancel()
     if autoscaling is not None:
         autoscaling.cancel()

@@ -32,6 +32,9 @@ _POLL_MS = 100  # how often a blocked thread looks at its stop flag (and the wri
 # writer sends a keep-alive this often, so the frontend does not take a busy scheduler for a stuck one. A stopped
 # process (SIGSTOP) sends nothing; an engine stuck inside a step is the daemon's stall watchdog's to kill.
 _KEEPALIVE_S = 0.1
+# How long a closing writer waits for its last messages to reach a frontend that is still there (a draining worker's
+# final deltas). With the frontend gone nothing would take them, and the wait would only delay the exit.
+_FLUSH_MS = 1000
 
 
 class FrontendDisconnected:
@@ -145,9 +148,9 @@ class OutputWriter(threading.Thread):
     ):
         super().__init__(name="scheduler-output", daemon=True)
         self._socket = context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.setsockopt(zmq.SNDHWM, high_water_mark)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._frontend_connected = False
         self._socket.connect(address)
         self._outbox: queue.Queue[ToFrontend | None] = queue.Queue()
         self._codec = frontend_codec()
@@ -180,9 +183,10 @@ class OutputWriter(threading.Thread):
                 break
             self._watch_connection()
             self._send(message)
+        self._watch_connection()
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
-        self._socket.close()
+        self._socket.close(linger=_FLUSH_MS if self._frontend_connected else 0)
 
     def _send(self, message: ToFrontend) -> None:
         self._last_sent = time.monotonic()
@@ -208,6 +212,7 @@ class OutputWriter(threading.Thread):
         # The monitor socket lives in this thread too; the engine thread hears of a loss through its inbox only.
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
+            self._frontend_connected = event["event"] == zmq.EVENT_CONNECTED
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._log.warning("frontend_disconnected")
                 self._on_disconnect()

@@ -86,7 +86,7 @@ def _loads(daemon: Daemon) -> dict[str, pb.SchedulerLoad]:
     return {s.role: s for s in daemon.admin.GetLoad(pb.GetLoadRequest(), timeout=10).schedulers}
 
 
-PROMPTS = _prompts(120, seed=7, longest=1500)
+PROMPTS = _prompts(120, seed=7, longest=640)  # up to 40 pages handed over
 MAX_TOKENS = 6
 
 
@@ -107,7 +107,7 @@ def reference():
 
 
 def test_a_prefill_and_a_decode_worker_give_the_tokens_of_mixed_workers(disaggregated, reference):
-    """120 random prompts of 1-1,500 tokens, half of them free to stop at EOS: token ids, finish reasons and
+    """120 random prompts of 1-640 tokens, half of them free to stop at EOS: token ids, finish reasons and
     usage equal the mixed daemon's, the ledger's totals too (one row per request), and every prompt of MIN_PROMPT
     tokens or more went through a handover."""
     expected, expected_usage = reference

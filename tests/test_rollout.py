@@ -24,8 +24,8 @@ from gpu_runtime.llm import LLM
 from tokend.v1 import tokend_pb2 as pb
 
 LONG_STREAMS = 16
-LONG_TOKENS = 2000
-DRAIN_TOKENS = 2000  # streams that must outlast a new worker's start (2-3 s: about 300 of their tokens)
+LONG_TOKENS = 1000
+DRAIN_TOKENS = 1000  # streams that must outlast a new worker's start (2-3 s: about 300 of their tokens)
 CHECKED_TOKENS = 200  # of a migrated stream's continuation, compared with the new weights' own greedy tokens
 SHORT_TOKENS = 16
 NEW_REQUESTS_PER_S = 2.0

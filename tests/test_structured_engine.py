@@ -10,11 +10,12 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import kv_bytes_for
 from harness.schema_corpus import schemas, validator
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from gpu_runtime import LLM, SamplingParams
-from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from gpu_runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model, ensure_tiny_random_model
 from gpu_runtime.ipc.structured_output import StructuredOutput
 
 pytestmark = pytest.mark.engine
@@ -128,15 +129,17 @@ def test_free_rows_beside_constrained_ones_keep_their_exact_tokens(llm):
 
 
 def test_preempted_constrained_requests_resume_with_their_matcher_and_validate():
-    # 24 pages of 16 tokens for eight sequences of about 100 tokens each: the scheduler has to preempt and recompute.
-    words = r"(?:[a-z]{3,8} ){30}[a-z]{3,8}\."
-    with LLM(DEFAULT_MODEL_NAME, kv_cache_bytes=24 * 16 * 46_080, max_num_seqs=8) as small:
+    # 24 pages of 16 tokens for eight sequences of up to 126 tokens each: the scheduler has to preempt and recompute.
+    # The tiny model (byte tokens) at a tenth of the default's step: preemption does not depend on the weights.
+    words = r"(?:[a-z]{3,8} ){12}[a-z]{3,8}\."  # at most 117 bytes: every sequence can end within its 120 tokens
+    model_dir = ensure_tiny_random_model()
+    with LLM(str(model_dir), kv_cache_bytes=kv_bytes_for(model_dir, 16, 24), max_num_seqs=8) as small:
         output = StructuredOutput.regex(words)
-        params = [SamplingParams(max_tokens=100, temperature=1.0, seed=i, structured_output=output) for i in range(8)]
-        outputs = small.generate([PROMPT] * 8, params)
+        params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_output=output) for i in range(8)]
+        outputs = small.generate(["Words:"] * 8, params)
         assert small.engine.stats.num_preemptions > 0
     stopped = [output.outputs[0].text for output in outputs if output.outputs[0].finish_reason == "stop"]
-    assert stopped and all(re.fullmatch(words, text) for text in stopped)
+    assert len(stopped) == 8 and all(re.fullmatch(words, text) for text in stopped)
 
 
 @pytest.mark.parametrize("cut", [1, 7])  # 1: a P/D handover (the prefill worker's first token); 7: a migration

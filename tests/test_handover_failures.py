@@ -1,6 +1,9 @@
 """A decode worker's pull that fails after its pages arrived (a malformed pull, an import that raises, a request the
 engine then chokes on) still ends its request, as kv_load_failure says, and holds no page: before, any failure but
-a ValueError escaped Handover.pulled, so the request never got a final delta and the pages taken stayed taken."""
+a ValueError escaped Handover.pulled, so the request never got a final delta and the pages taken stayed taken.
+And a decode worker that takes no page of a lease (it has them cached, or they cannot serve it) releases the lease
+at once: before, its prefill worker held those pages for nobody until the lease expired (30 s by default), and a
+draining prefill worker waited that long to exit."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
 from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_transfer.leases import KVLeases
-from gpu_runtime.kv_transfer.puller import PagesPulled
+from gpu_runtime.kv_transfer.puller import LeaseRelease, PagesPulled, PullJob
+from gpu_runtime.sequence import Sequence
 from gpu_runtime.worker import handover as handover_module
 from gpu_runtime.worker.handover import Handover
 
@@ -54,19 +58,29 @@ class FakePuller:
     def pull(self, job) -> None:
         self.jobs.append(job)
 
+    def release(self, job) -> None:
+        self.jobs.append(job)
 
-def _pending(monkeypatch, load_failure: KVLoadFailure) -> tuple[Handover, FakeEngine, AddRequest]:
-    """A decode worker's Handover with one request waiting for its two pages."""
+
+def _decode_side(monkeypatch, load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE,
+                 salt: str = "tenant-a") -> tuple[Handover, FakeEngine, AddRequest]:  # fmt: skip
+    """A decode worker's Handover, and a request handed over with a lease on its prompt's two full pages."""
     monkeypatch.setattr(handover_module, "KVPuller", FakePuller)
     engine = FakeEngine()
     handover = Handover(engine, None, queue.Queue(), structlog.get_logger(), worker_id="decode/0", kv_address="",
                         lease_seconds=5.0, load_failure=load_failure)  # fmt: skip
     hashes = engine.kv.hasher.hash_tokens(PROMPT[: 2 * PAGE_SIZE], "tenant-a")
     params = KVTransferParams(remote_engine_id="prefill/0", remote_request_id="r1", remote_address="ipc:///kv",
-                              remote_block_ids=[5, 6], remote_page_hashes=hashes,
-                              remote_num_tokens=2 * PAGE_SIZE)  # fmt: skip
-    message = AddRequest("r1", PROMPT, SamplingParams(max_tokens=4), Priority.INTERACTIVE, cache_salt="tenant-a",
+                              remote_block_ids=[5, 6], remote_page_hashes=hashes, remote_num_tokens=2 * PAGE_SIZE,
+                              remote_lease_token=b"token")  # fmt: skip
+    message = AddRequest("r1", PROMPT, SamplingParams(max_tokens=4), Priority.INTERACTIVE, cache_salt=salt,
                          kv_transfer_params=params)  # fmt: skip
+    return handover, engine, message
+
+
+def _pending(monkeypatch, load_failure: KVLoadFailure) -> tuple[Handover, FakeEngine, AddRequest]:
+    """A decode worker's Handover with one request waiting for its two pages."""
+    handover, engine, message = _decode_side(monkeypatch, load_failure)
     assert handover.add(message, admit=_refuse) == [] and handover.has_pending
     return handover, engine, message
 
@@ -134,3 +148,35 @@ def test_a_good_pull_is_imported_and_admitted(monkeypatch):
     assert handover.pulled(PagesPulled("r1", _pages(), _pages()), admit=lambda m: admitted.append(m) or []) == []
     assert admitted == [message] and handover.stats.pulled_pages == 2 and handover.stats.pull_failures == 0
     assert engine.kv.allocator.num_cached_pages == 2 and engine.kv.allocator.num_used_pages == 0
+
+
+def _cache_prompt_pages(engine: FakeEngine, salt: str) -> None:
+    """The prompt's two full pages computed here before (another request with the same prompt, say)."""
+    seq = Sequence("earlier", PROMPT, SamplingParams(max_tokens=1), max_model_len=64, eos_token_ids=frozenset(),
+                   cache_salt=salt)  # fmt: skip
+    engine.kv.hash_new_pages(seq)
+    assert engine.kv.try_admit(seq, engine.kv.find_cached_prefix(seq), seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    engine.kv.commit_full_pages(seq)
+    engine.kv.release(seq)
+
+
+@pytest.mark.parametrize("why", ["cached here", "other contents", "no prefix cache"])
+def test_a_lease_the_decode_worker_takes_no_page_of_is_released_at_once(monkeypatch, why):
+    handover, engine, message = _decode_side(monkeypatch, salt="tenant-b" if why == "other contents" else "tenant-a")
+    if why == "cached here":
+        _cache_prompt_pages(engine, "tenant-a")
+    if why == "no prefix cache":
+        engine.config.enable_prefix_caching = False
+    admitted = []
+    assert handover.add(message, admit=lambda m: admitted.append(m) or []) == []
+    assert admitted == [message] and not handover.has_pending  # admitted now: nothing to wait for
+    (job,) = handover._puller.jobs
+    assert job == LeaseRelease("ipc:///kv", "r1", b"token")  # the prefill worker frees its pages now
+
+
+def test_a_lease_with_pages_missing_here_is_pulled_not_released(monkeypatch):
+    handover, _, message = _decode_side(monkeypatch)
+    assert handover.add(message, admit=_refuse) == []
+    (job,) = handover._puller.jobs
+    assert isinstance(job, PullJob) and job.page_ids == [5, 6]  # the pull's reply releases it there

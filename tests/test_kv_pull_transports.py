@@ -17,7 +17,7 @@ from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.kv_transfer.nixl_transport import _runs, nixl_available
-from gpu_runtime.kv_transfer.puller import KVPuller, PagesPulled, PullJob
+from gpu_runtime.kv_transfer.puller import KVPuller, LeaseRelease, PagesPulled, PullJob
 from gpu_runtime.kv_transfer.server import KVServer, LeasePulled
 from gpu_runtime.kv_transfer.wire import (
     PULL_CODEC_ENCODER,
@@ -26,6 +26,7 @@ from gpu_runtime.kv_transfer.wire import (
     PagesReply,
     PoolDescription,
     PullPages,
+    ReleaseLease,
     UnlockPages,
 )
 from gpu_runtime.sequence import Sequence
@@ -128,6 +129,21 @@ def test_forged_pulls_locks_and_unlocks_get_no_bytes_and_leave_the_lease_untouch
         assert isinstance(reply, PagesReply) and "token is missing or wrong" in reply.error and frames == 1
     assert not prefill_side.leases.is_being_read("lease") and len(prefill_side.leases) == 1
     assert prefill_side.inbox.empty()  # no forged unlock released it
+
+
+def test_a_reader_that_needs_no_page_releases_the_lease_with_its_token_only(prefill_side):
+    """A decode worker with the prompt cached already takes no page: its release frees the lease at once rather
+    than at its expiry; a release without the lease's token is refused and frees nothing."""
+    for forged in (ReleaseLease("lease"), ReleaseLease("lease", b"guess")):
+        reply, frames = _ask(prefill_side, forged)
+        assert "token is missing or wrong" in reply.error and frames == 1
+    assert prefill_side.inbox.empty()
+    puller = KVPuller(prefill_side.context, queue.Queue(), timeout_s=20, max_bytes=1 << 20)
+    puller.start()
+    puller.release(LeaseRelease(prefill_side.address, "lease", prefill_side.token))
+    assert prefill_side.inbox.get(timeout=30) == LeasePulled("lease")  # the engine thread releases it
+    puller.stop()
+    puller.join(timeout=10)
 
 
 def test_duplicate_page_ids_are_refused_without_a_byte_of_pages(prefill_side):

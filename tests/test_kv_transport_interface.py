@@ -1,5 +1,6 @@
 """The KV transport interface: a factory makes each common.lanes.KVTransport's two sides, every pull request is
-answered by exactly one transport's server side, and a server without a transport names what it does not serve."""
+answered by exactly one transport's server side (a lease's release by the server itself, whatever the transport),
+and a server without a transport names what it does not serve."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gpu_runtime.kv_transfer.nixl_protocol import NixlPull, NixlServe
 from gpu_runtime.kv_transfer.puller import KVPuller, PullJob
 from gpu_runtime.kv_transfer.server import KVServer
 from gpu_runtime.kv_transfer.transport import make_pull_transport, make_serve_transports
-from gpu_runtime.kv_transfer.wire import ToKVServer
+from gpu_runtime.kv_transfer.wire import ReleaseLease, ToKVServer, TransportRequest
 from gpu_runtime.kv_transfer.zmq_frames import FramesPull, FramesServe
 
 pytestmark = pytest.mark.fast
@@ -37,7 +38,8 @@ def test_every_pull_request_is_served_by_exactly_one_transport():
     transports = make_serve_transports(_pool(), KVLeases(KVCacheManager(4, 2)), structlog.get_logger())
     assert [type(t) for t in transports] == [FramesServe, NixlServe]
     served = [message for transport in transports for message in transport.messages]
-    assert sorted(m.__name__ for m in served) == sorted(m.__name__ for m in ToKVServer.__args__)
+    assert sorted(m.__name__ for m in served) == sorted(m.__name__ for m in TransportRequest.__args__)
+    assert set(ToKVServer.__args__) == {*TransportRequest.__args__, ReleaseLease}
 
 
 def test_the_puller_takes_the_enum_or_its_value_and_refuses_other_names():

@@ -120,6 +120,11 @@ class KVLeases:
             lease.reading_until = now + READ_LIMIT_S
             return ""
 
+    def check(self, lease_id: str, token: bytes) -> str:
+        """ "" if `token` is the lease's own, else why a request naming it is refused."""
+        with self._lock:
+            return self._checked(lease_id, token)[1]
+
     def end_read(self, lease_id: str, token: bytes) -> str:
         """Ends the read begun with the same token; returns "" or why it is refused (the lease then untouched)."""
         with self._lock:

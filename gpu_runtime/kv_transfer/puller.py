@@ -4,6 +4,7 @@ come over is its transport's (transport.py): ZeroMQ frames or a NIXL READ, chose
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -14,8 +15,18 @@ import zmq
 
 from common.lanes import KVTransport
 from gpu_runtime.kv_transfer.transport import PullJob, PullLink, make_pull_transport
+from gpu_runtime.kv_transfer.wire import PagesReply, ReleaseLease
 
-__all__ = ["KVPuller", "PagesPulled", "PullJob"]
+__all__ = ["KVPuller", "LeaseRelease", "PagesPulled", "PullJob"]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRelease:
+    """A lease this worker takes no page of (it has them all cached): its prefill worker may free them now."""
+
+    address: str  # the prefill worker's KVTransferParams.remote_address
+    lease_id: str
+    token: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +57,12 @@ class KVPuller(threading.Thread):
         self._pulls = make_pull_transport(self.transport)
         self._link = PullLink(context, timeout_s, max_bytes)
         self._inbox = inbox
-        self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._jobs: queue.Queue[PullJob | LeaseRelease | None] = queue.Queue()
 
     def pull(self, job: PullJob) -> None:
+        self._jobs.put(job)
+
+    def release(self, job: LeaseRelease) -> None:
         self._jobs.put(job)
 
     def stop(self) -> None:
@@ -56,6 +70,9 @@ class KVPuller(threading.Thread):
 
     def run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, LeaseRelease):
+                self._release(job)
+                continue
             started = time.perf_counter()
             try:
                 keys, values = self._pulls.pull(self._link, job)
@@ -65,3 +82,8 @@ class KVPuller(threading.Thread):
                                      time.perf_counter() - started)  # fmt: skip
             self._inbox.put(result)
         self._link.close()
+
+    def _release(self, job: LeaseRelease) -> None:
+        """Tells the prefill worker. Its answer changes nothing here: whatever fails, the lease expires there."""
+        with contextlib.suppress(Exception):  # no answer, a refusal, a bad reply: all end the same way
+            self._link.control(job.address, ReleaseLease(job.lease_id, job.token), PagesReply)

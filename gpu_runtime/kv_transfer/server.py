@@ -18,7 +18,7 @@ from common.lanes import KVTransport
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.kv_transfer.transport import ServeTransport, make_serve_transports
-from gpu_runtime.kv_transfer.wire import PULL_CODEC_ENCODER, PULL_DECODER, PagesReply
+from gpu_runtime.kv_transfer.wire import PULL_CODEC_ENCODER, PULL_DECODER, PagesReply, ReleaseLease
 
 _POLL_MS = 100
 _READING_POLL_MS = 1
@@ -44,6 +44,7 @@ class KVServer(threading.Thread):
         self._socket.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a pull names pages: far below this
         self._socket.bind(address)
         self._inbox = inbox
+        self._leases = leases
         self._log = log
         self._stopped = threading.Event()
         self._transports = make_serve_transports(pool, leases, log, transports)
@@ -85,6 +86,12 @@ class KVServer(threading.Thread):
                                   error=header.error[:300])  # fmt: skip
             self._reply(identity, header, *frames)
 
+        if isinstance(request, ReleaseLease):  # the reader needs none of its pages: the lease is done with
+            refused = self._leases.check(request.lease_id, request.token)
+            reply(PagesReply(error=refused))
+            if not refused:
+                self._inbox.put(LeasePulled(request.lease_id))
+            return
         transport = self._by_message.get(type(request))
         if transport is None:
             served = ", ".join(str(t.kind) for t in self._transports)

@@ -14,6 +14,11 @@ With NIXL moving the bytes (nixl_transport.py) the same socket carries only the 
                                                        NIXL (they alone) until UnlockPages; or [PagesReply] refusing
     decode -> prefill   [UnlockPages]               after its READ: -> [PagesReply]; the lease is released
 
+Whatever the transport, a decode worker that needs none of a lease's pages (it has every one cached already, or
+they cannot serve it) says so, and the pages are not held for nobody until the lease expires:
+
+    decode -> prefill   [ReleaseLease]              -> [PagesReply]; the lease is released
+
 Every request names its lease and carries the lease's token (leases.py): a request without the right one is
 refused, so only the decode worker the frontend handed the request to can read, pin or release the pages.
 """
@@ -45,6 +50,11 @@ class UnlockPages(msgspec.Struct, frozen=True, tag="unlock", forbid_unknown_fiel
     token: bytes = b""
 
 
+class ReleaseLease(msgspec.Struct, frozen=True, tag="release", forbid_unknown_fields=True):
+    lease_id: str
+    token: bytes = b""
+
+
 class PagesReply(msgspec.Struct, frozen=True, tag="pages", forbid_unknown_fields=True):
     error: str = ""  # set: no frames follow (an unknown or expired lease, a page it does not hold)
     dtype: str = ""  # "float32", "bfloat16", ...
@@ -65,7 +75,8 @@ class PoolDescription(msgspec.Struct, frozen=True, tag="pool", forbid_unknown_fi
     page_shape: list[int]  # [page_size, kv_heads, head_dim]
 
 
-ToKVServer = PullPages | LockPages | UnlockPages
+TransportRequest = PullPages | LockPages | UnlockPages  # each answered by one transport (transport.py)
+ToKVServer = TransportRequest | ReleaseLease  # a release is answered by the KV server itself
 FromKVServer = PagesReply | PoolDescription
 
 PULL_CODEC_ENCODER = msgspec.msgpack.Encoder()

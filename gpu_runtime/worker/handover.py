@@ -24,7 +24,7 @@ from gpu_runtime.engine import LLMEngine
 from gpu_runtime.ipc.enums import FinishReason
 from gpu_runtime.ipc.messages import AddRequest, KVTransferParams, RequestDelta
 from gpu_runtime.kv_cache.transfer import PageExport, import_pages
-from gpu_runtime.kv_transfer.puller import KVPuller, PagesPulled, PullJob
+from gpu_runtime.kv_transfer.puller import KVPuller, LeaseRelease, PagesPulled, PullJob
 from gpu_runtime.kv_transfer.server import KVServer, LeasePulled
 
 _THREAD_STOP_S = 1.0  # a KV thread notices a stop within one poll (0.1 s); one mid-pull is left to die with us
@@ -102,32 +102,45 @@ class Handover:
     # -- requests in ------------------------------------------------------------------------------------------
 
     def add(self, message: AddRequest, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
-        """Admits the request now, or once its pages are pulled."""
+        """Admits the request now, or once its pages are pulled. A lease it takes no page of is released at once:
+        its prefill worker would otherwise hold those pages for nobody until the lease expired."""
         if message.do_remote_decode:
             self._prefills[message.request_id] = message
         params = message.kv_transfer_params
-        if params is None or not params.remote_block_ids or not self.engine.config.enable_prefix_caching:
+        if params is None or not params.remote_block_ids:
             return admit(message)
+        hashes, missing = self._missing_pages(message, params)
+        if not missing:
+            self._kv_puller().release(LeaseRelease(params.remote_address, params.remote_request_id,
+                                                   params.remote_lease_token))  # fmt: skip
+            return admit(message)
+        self._pulls[message.request_id] = _PendingPull(message, hashes, missing)
+        page_ids = [params.remote_block_ids[i] for i in missing]
+        self._kv_puller().pull(PullJob(message.request_id, params.remote_address, params.remote_request_id,
+                                       page_ids, params.remote_lease_token))  # fmt: skip
+        return []
+
+    def _missing_pages(self, message: AddRequest, params: KVTransferParams) -> tuple[list[bytes], list[int]]:
+        """The prompt's page hashes here, and the positions of the leased pages to pull: those not cached here
+        already; none when the leased pages cannot serve here (no prefix cache to put them in, or other contents)."""
+        if not self.engine.config.enable_prefix_caching:
+            return [], []
         own = self.engine.kv.hasher.hash_tokens(message.prompt_token_ids[: params.remote_num_tokens],
                                                 message.cache_salt)  # fmt: skip
         if own != params.remote_page_hashes or len(params.remote_block_ids) != len(own):
             # Other weights (a rollout between the two hops) or another tokenisation: its pages would be wrong here.
             self._log.warning("kv_transfer_mismatch", request_id=message.request_id, remote=params.remote_engine_id)
-            return admit(message)
+            return own, []
         allocator = self.engine.kv.allocator
-        positions = [i for i, content_hash in enumerate(own) if allocator.lookup(content_hash) is None]
-        if not positions:
-            return admit(message)  # every page is cached here already: nothing to move
+        return own, [i for i, content_hash in enumerate(own) if allocator.lookup(content_hash) is None]
+
+    def _kv_puller(self) -> KVPuller:
         if self._puller is None:
             pool_bytes = 2 * sum(k.numel() * k.element_size() for k, _ in self.engine.runner.pool.layers)
             self._puller = KVPuller(self._context, self._inbox, self._lease_seconds, pool_bytes + (1 << 20),
                                     self._transport)  # fmt: skip
             self._puller.start()
-        self._pulls[message.request_id] = _PendingPull(message, own, positions)
-        page_ids = [params.remote_block_ids[i] for i in positions]
-        self._puller.pull(PullJob(message.request_id, params.remote_address, params.remote_request_id, page_ids,
-                                  params.remote_lease_token))  # fmt: skip
-        return []
+        return self._puller
 
     def pulled(self, result: PagesPulled, admit: Callable[[AddRequest], list[RequestDelta]]) -> list[RequestDelta]:
         """A pull ended: its pages go into the prefix cache and the request is admitted (or, if the pull or the

@@ -181,6 +181,7 @@ class Scheduler:
         for seq in itertools.chain(out.decodes, (work.seq for work in out.prefills)):
             self.kv.hash_new_pages(seq)
             self.kv.commit_full_pages(seq)
+            self.kv.release_behind_window(seq)
 
     def shrink_token_budget(self) -> int:
         """Halves the tokens a step may compute (after a step ran out of memory), never below one decode token for

@@ -50,6 +50,10 @@ class Sequence:
     # on); they depend on content alone, so they outlive preemption.
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0  # leading pages of the block table that are in the prefix cache
+    # Leading pages of the block table given back because their tokens left every layer's window (a model whose
+    # layers all slide: KVCacheManager.window); their entries now name the first page it still holds, so a
+    # kernel that reads them (masked: they are out of the window) reads this sequence's own K/V.
+    num_released_pages: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache; written by the scheduler alone
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     first_scheduled_time: float | None = None  # when it first entered the running batch (monotonic)

@@ -93,6 +93,13 @@ GEMMA3 = {
     "final_logit_softcapping": 8.0,
     "tie_word_embeddings": True,
 }
+MISTRAL = {  # Mistral 7B v0.1's shape: every layer windowed (its 4096 of 32768), untied
+    "kind": "mistral",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 3,
+    "sliding_window": GEMMA_WINDOW,
+}
 PHI3 = {  # Phi-3-mini-4k's shape: every layer windowed (its 2047 of 4096), untied, the default rotary
     "kind": "phi3",
     "num_attention_heads": 4,
@@ -120,6 +127,7 @@ PHI3_LONGROPE = {  # Phi-4-mini's: longrope, 3/4 of each head rotated, tied embe
 _CLASSES = {  # kind: (config class, model class), by name in transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),

@@ -94,7 +94,7 @@ def test_qwen2_with_sliding_window_on_is_capped(tmp_path):
     assert cfg.max_model_len == 1024
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+def test_mistral_keeps_its_context_and_windows_every_layer(tmp_path):
     cfg = load_model_config(
         write(
             tmp_path,
@@ -105,7 +105,7 @@ def test_mistral_sliding_window_caps_max_model_len(tmp_path):
         )
     )
     assert cfg.architecture == "mistral"
-    assert cfg.max_model_len == 4096
+    assert (cfg.max_model_len, cfg.sliding_window, cfg.layer_types) == (32768, 4096, ())
 
 
 @pytest.mark.parametrize("window", [None, 65536])

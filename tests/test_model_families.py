@@ -16,6 +16,7 @@ from checkpoints import (
     GEMMA2,
     GEMMA3,
     GEMMA_WINDOW,
+    MISTRAL,
     MIXTRAL,
     PHI3,
     PHI3_LONGROPE,
@@ -32,6 +33,7 @@ from tp_ranks import run_steps
 
 from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.attention.backend import make_attention_backend
+from gpu_runtime.kv_cache.kv_pool import page_bytes
 from gpu_runtime.model.config import load_model_config
 from gpu_runtime.model.loader import load_model, safetensors_files
 from gpu_runtime.model.moe import SparseMoeBlock
@@ -58,6 +60,7 @@ FAMILIES = {
     "gemma3": (GEMMA3, "gemma3_text"),
     "phi3": (PHI3, "phi3"),
     "phi3-longrope": (PHI3_LONGROPE, "phi3"),
+    "mistral": (MISTRAL, "mistral"),
 }
 # Greedy tokens, per family and attention backend: "auto" is the CPU's default (cpu_paged); the windowed, soft-capped
 # families on every backend, since each one implements the options its own way. (The variants left out share their
@@ -69,6 +72,7 @@ GREEDY_CASES = [
     *[(family, backend) for family in ("gemma2", "gemma3") for backend in ("auto", "batched", "torch")],
     ("phi3", "auto"),
     ("phi3-longrope", "auto"),
+    ("mistral", "auto"),
 ]
 
 
@@ -136,6 +140,62 @@ def test_greedy_tokens_equal_transformers_with_caching_and_chunking(family_case,
     again = llm.generate(requests, GREEDY)  # every prompt's full pages now come from the cache
     assert [o.outputs[0].token_ids for o in again] == expected
     assert sum(o.num_cached_tokens for o in again) >= SHARED_PREFIX * len(prompts) // 2
+
+
+def window_prompts(count: int, seed: int = 5) -> list[list[int]]:
+    """Prompts 4 to 8 times a test model's window long."""
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(4 * GEMMA_WINDOW, 8 * GEMMA_WINDOW))] for _ in range(count)]
+
+
+def windowed_llm(model_dir, **options) -> LLM:
+    return LLM(str(model_dir), device="cpu", page_size=8, enable_prefix_caching=True, enable_chunked_prefill=True,
+               max_num_batched_tokens=32, debug_checks=True, **options)  # fmt: skip
+
+
+def pages_held_at_most(chunk: int, page_size: int = 8) -> int:
+    """A sequence's pages after a step where every layer slides: from its window's oldest position on, plus the
+    next step's chunk (tests/test_window_pages.py shows the bookkeeping)."""
+    return -(-(GEMMA_WINDOW - 1 + chunk) // page_size) + 1
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_a_windowed_sequence_holds_one_window_of_pages_and_still_equals_transformers(checkpoints, name):
+    """One sequence at a time, prompts 4-8x the window: the pages the pool has in use after every step stay within
+    one window plus a chunk (a third of what the longest sequence would hold), and the tokens are transformers'."""
+    model_dir, prompts = checkpoints(name), window_prompts(3)
+    expected = transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+    llm = windowed_llm(model_dir, max_num_seqs=1)
+    engine = llm.engine
+    assert engine.kv.window == GEMMA_WINDOW
+    for prompt, want in zip(prompts, expected, strict=True):
+        engine.add_request("r", prompt, GREEDY)
+        tokens, used = [], []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.new_token_ids
+            used.append(engine.kv.num_used_pages)
+            engine.check_integrity()
+        assert tokens == want
+        longest = engine.kv.num_pages_for(len(prompt) + NUM_REFERENCE_TOKENS)
+        assert max(used) <= pages_held_at_most(chunk=32) < longest / 2
+    assert engine.kv.num_used_pages == 0
+
+
+def test_windowed_sequences_run_together_in_a_pool_too_small_to_hold_them_whole(checkpoints):
+    """Eight sequences at once in a pool with room for under half their full length: pages given back behind
+    the window keep them all running (no preemption), and every output is still transformers'."""
+    model_dir, prompts = checkpoints("mistral"), window_prompts(8, seed=6)
+    expected = transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+    config = load_model_config(model_dir)
+    num_pages = 8 * pages_held_at_most(chunk=32)
+    whole = sum(-(-(len(p) + NUM_REFERENCE_TOKENS) // 8) for p in prompts)
+    assert num_pages < whole / 2
+    llm = windowed_llm(model_dir, max_num_seqs=8, kv_cache_bytes=num_pages * page_bytes(config, 8, torch.float32))
+    assert llm.engine.kv.num_pages == num_pages
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.scheduler.num_preemptions == 0
 
 
 def transformers_logits(model_dir, tokens: list[int]) -> torch.Tensor:

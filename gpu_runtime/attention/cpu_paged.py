@@ -1,8 +1,9 @@
 """The CPU's fastest backend: decodes through the C++ kernel that reads K/V in place in the page pool, prompt
 chunks through the batched torch path (prefill is compute-bound: its matmuls, not the reading, decide).
 
-The kernel does plain attention (a scale, the whole context); a layer with a sliding window or soft-capped logits
-(Gemma's) decodes through the batched path instead, which honours both, so every option is served here."""
+The kernel does plain attention (a scale, the whole context); a layer with soft-capped logits (Gemma's), or a sliding
+window some decode of the step reaches past, decodes through the batched path instead, which honours both, so every
+option is served here."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class CpuPagedAttention(AttentionBackend):
         decode = meta.decode
         if decode is not None:
             queries = q[decode.rows]
-            if options.is_plain:
+            if _is_plain_for(options, decode.max_context):
                 decoded = self._paged_decode(
                     queries, k_pages, v_pages, decode.block_table, decode.context_lens, options.scale
                 )
@@ -61,3 +62,10 @@ class CpuPagedAttention(AttentionBackend):
             out[rows] = prefill_attention(q, k[rows], v[rows], k_pages, v_pages, meta.prefill,
                                           masks.prefill(options.sliding_window), options)  # fmt: skip
         return out
+
+
+def _is_plain_for(options: LayerAttentionOptions, max_context: int) -> bool:
+    """Whether the layer attends plainly over contexts up to `max_context`: a window that long or longer hides
+    nothing (Mistral 7B v0.1's 4,096 over a shorter conversation), so the kernel's whole context is exact."""
+    window = options.sliding_window
+    return options.logit_softcap is None and (window is None or window >= max_context)

@@ -28,10 +28,23 @@ class KVCacheManager:
     registered prefix of its tokens instead of recomputing it, and pages freed by finished sequences keep
     their content until an allocation needs them. The manager writes a sequence's block table (page_ids,
     num_registered_pages); how many of its tokens are computed is the scheduler's to say.
+
+    With a `window` (every layer of the model attends over its last `window` positions only: Mistral 7B v0.1,
+    Phi-3-mini-4k) a page whose tokens have all left the window is never read again: release_behind_window gives
+    it back as the sequence moves on, so a long sequence holds one window's pages (plus the step's), not its whole
+    length. A model with any full-attention layer has no window here: every page stays until the sequence ends.
     """
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, salt: bytes = b""):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        salt: bytes = b"",
+        window: int | None = None,
+    ):
         self.page_size = page_size
+        self.window = window
         self.allocator = PageAllocator(num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = PageHasher(page_size, salt)
@@ -123,19 +136,46 @@ class KVCacheManager:
             self.allocator.register(seq.page_ids[index], seq.page_hashes[index])
         seq.num_registered_pages = max(seq.num_registered_pages, num_full)
 
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Gives back the pages of `seq` that no query of it will read again: with a window, those whose tokens all
+        lie before the window of its next position (num_computed_tokens). Call it after commit_full_pages: a
+        released full page goes to the prefix cache, as a finished sequence's pages do."""
+        if self.window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.window + 1  # the next query sees positions from here on
+        # Whole pages before it, never the last page (its successor may not be reserved yet).
+        behind = min(max(first_visible, 0) // self.page_size, len(seq.page_ids) - 1)
+        if behind <= seq.num_released_pages:
+            return
+        released = seq.page_ids[seq.num_released_pages : behind]
+        self.allocator.free(released)
+        seq.page_ids[:behind] = [seq.page_ids[behind]] * behind  # every released entry names a page it holds
+        seq.num_released_pages = behind
+
     def release(self, seq: Sequence) -> None:
-        """Returns every page of `seq`. Freed last page first, so a prefix's head stays cached longest."""
-        self.allocator.free(seq.page_ids[::-1])
+        """Returns every page `seq` holds. Freed last page first, so a prefix's head stays cached longest."""
+        self.allocator.free(held_pages(seq)[::-1])
         seq.page_ids = []
         seq.num_registered_pages = 0
+        seq.num_released_pages = 0
 
     # -- checks -----------------------------------------------------------------------------------------
 
     def check_integrity(self, sequences: list[Sequence], pinned: list[list[int]] = ()) -> None:
         """Every page is free, cached or owned, and reference counts equal the owners: the sequences, and `pinned`
         page lists (leases) (AssertionError if not)."""
-        self.allocator.check_integrity([seq.page_ids for seq in sequences] + list(pinned))
+        self.allocator.check_integrity([held_pages(seq) for seq in sequences] + list(pinned))
         for seq in sequences:
             assert seq.num_registered_pages <= len(seq.page_ids), f"{seq.request_id} registered pages it lacks"
+            assert seq.num_released_pages <= max(len(seq.page_ids) - 1, 0), f"{seq.request_id} released every page"
+            if seq.num_released_pages:
+                assert self.window is not None, f"{seq.request_id} released pages without a window"
+                visible = seq.num_computed_tokens - self.window + 1
+                assert seq.num_released_pages * self.page_size <= visible, f"{seq.request_id} released a visible page"
             assert len(seq.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"
             assert len(seq.page_hashes) <= seq.num_tokens // self.page_size, f"{seq.request_id} hashed a partial page"
+
+
+def held_pages(seq: Sequence) -> list[int]:
+    """The pages `seq` owns: its block table past the pages it released behind its window."""
+    return seq.page_ids[seq.num_released_pages :]

@@ -66,9 +66,10 @@ class ModelConfig:
     # What only some families have; each one's adapt_config sets its own (the defaults are Llama's).
     hidden_act: str = "silu"  # the gated MLP's activation (its architecture's `activations` list what it runs)
     moe: MoeConfig | None = None  # the sparse expert layers, for a Mixture-of-Experts family
-    # Per layer "full_attention" or "sliding_attention" (Gemma's interleaving); () is every layer full.
+    # Per layer "full_attention" or "sliding_attention" (Gemma's interleaving); () is every layer alike.
     layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None  # the window of the "sliding_attention" layers
+    # The window of the "sliding_attention" layers; with no layer_types, of every layer (Mistral 7B v0.1, Phi-3).
+    sliding_window: int | None = None
     local_rope: RopeConfig | None = None  # the sliding layers' rotary, where it is not `rope` (Gemma 3)
     query_scale: float | None = None  # multiplies q.k (Gemma's query_pre_attn_scalar ** -0.5); None: 1/sqrt(d)
     attn_logit_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)

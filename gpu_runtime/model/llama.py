@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache; with a
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Phi-3) over a flattened token batch and a paged KV cache; with a
 TensorParallel, one rank's shard of it (the split: tensor_parallel.py). Its pieces are what the other decoders here
 are built from: Qwen3 (qwen3.py) adds per-head q/k norms, the MoE families (moe.py) swap the MLP of some layers, Gemma
 (gemma.py) reuses the attention and MLP under its own norms."""
@@ -80,6 +80,23 @@ class Attention(nn.Module):
         return qk
 
 
+def window_options(config: ModelConfig) -> LayerAttentionOptions | None:
+    """Every layer's options where config.sliding_window windows all of them (Mistral 7B v0.1, Phi-3-mini-4k; a
+    family whose layers differ, Gemma's, builds its own per layer); None where the window covers the whole context:
+    plain attention, which the fastest kernels run."""
+    window = config.sliding_window
+    if window is None or window >= config.max_model_len:
+        return None
+    return LayerAttentionOptions(scale=config.head_dim**-0.5, sliding_window=window)
+
+
+def kv_window(model: nn.Module) -> int | None:
+    """The positions back from a query that any layer of `model` reads: the widest window when every attention layer
+    slides (Mistral 7B v0.1, Phi-3-mini-4k), None when some layer reads the whole context (or there is none)."""
+    windows = [module.options.sliding_window for module in model.modules() if isinstance(module, Attention)]
+    return None if not windows or None in windows else max(windows)
+
+
 class MLP(nn.Module):
     """Gated feed-forward (SwiGLU, or GeGLU with Gemma's activation) with the gate and up projections fused into
     one matmul."""
@@ -145,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None, index: int):
         """Layer `index` (`config` the rank's view): where a family built on this decoder differs (qwen3.py, moe.py)."""
-        return DecoderLayer(config, Attention(config, backend, tp), MLP(config, tp))
+        return DecoderLayer(config, Attention(config, backend, tp, window_options(config)), MLP(config, tp))
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding table where the checkpoint says so (again after `to_empty`, which unties)."""

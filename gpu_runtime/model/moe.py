@@ -20,7 +20,7 @@ from torch import nn
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.cpu_weights import StackedMatrices, pack_matrix, packed_matmul
-from gpu_runtime.model.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM
+from gpu_runtime.model.llama import ACTIVATIONS, MLP, Attention, DecoderLayer, LlamaForCausalLM, window_options
 from gpu_runtime.model.moe_kernel import load_grouped_matmul
 from gpu_runtime.model.qwen3 import QKNormAttention
 from gpu_runtime.model.tensor_parallel import TensorParallel
@@ -120,7 +120,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Llama's decoder with every MLP sparse, under the checkpoint's name block_sparse_moe."""
 
     def make_layer(self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallel | None, index: int):
-        return DecoderLayer(config, Attention(config, backend, tp), SparseMoeBlock(config, tp), "block_sparse_moe")
+        attention = Attention(config, backend, tp, window_options(config))  # Mistral's, its window if any
+        return DecoderLayer(config, attention, SparseMoeBlock(config, tp), "block_sparse_moe")
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -1,5 +1,6 @@
-"""Mistral: Llama's decoder, its context capped at the sliding window (tokend attends over all of it, so within the
-window its outputs are exact)."""
+"""Mistral: Llama's decoder, every layer attending over the last `sliding_window` positions where config.json sets one
+shorter than the context (Mistral 7B v0.1: 4096 of 32768), as transformers masks it; pages behind the window are
+given back as a sequence moves on (KVCacheManager.window). v0.2 and later have no window."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from gpu_runtime.model.architectures import llama
 from gpu_runtime.model.config import ModelConfig
 
 
-def _capped_at_window(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
+def _windowed(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
     window = raw.get("sliding_window")  # Mistral windows whenever it has one (no use_sliding_window flag)
-    return dataclasses.replace(config, max_model_len=min(config.max_model_len, int(window))) if window else config
+    return dataclasses.replace(config, sliding_window=int(window)) if window else config
 
 
 ARCHITECTURE = dataclasses.replace(
-    llama.ARCHITECTURE, name="mistral", hf_classes=("MistralForCausalLM",), adapt_config=_capped_at_window,
+    llama.ARCHITECTURE, name="mistral", hf_classes=("MistralForCausalLM",), adapt_config=_windowed,
     gguf=None,
 )  # fmt: skip

@@ -20,7 +20,7 @@ def expert_width(config: ModelConfig) -> int:
 
 
 def _sparse_layers(raw: dict[str, Any], config: ModelConfig) -> ModelConfig:
-    config = mistral.ARCHITECTURE.adapt_config(raw, config)  # the context capped at a sliding window, if any
+    config = mistral.ARCHITECTURE.adapt_config(raw, config)  # its sliding window, if any
     moe = MoeConfig(
         num_experts=int(raw["num_local_experts"]),
         top_k=int(raw["num_experts_per_tok"]),

@@ -12,7 +12,7 @@ from typing import Any
 from gpu_runtime.model.architectures import llama
 from gpu_runtime.model.config import ModelConfig, RopeConfig
 from gpu_runtime.model.gguf_format import GGUFFormat, Hparam
-from gpu_runtime.model.phi3 import Phi3ForCausalLM
+from gpu_runtime.model.llama import LlamaForCausalLM
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.model.tp_checkpoint import fused_column_parallel
 
@@ -76,7 +76,7 @@ GGUF_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_pro
 ARCHITECTURE = Architecture(
     name="phi3",
     hf_classes=("Phi3ForCausalLM",),
-    model_class=Phi3ForCausalLM,
+    model_class=LlamaForCausalLM,  # its window, if any, is Llama's decoder's (llama.window_options)
     fused=(),  # the checkpoint's qkv_proj and gate_up_proj are the parameters themselves
     tp_splits=TP_SPLITS,
     adapt_config=_phi3,

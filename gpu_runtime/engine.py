@@ -168,11 +168,20 @@ class LLMEngine:
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)  # GrammarError (a ValueError) names the field
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        if not self.kv.fits_pool(longest):
+        if not self.kv.fits_pool(longest, self._largest_chunk(len(prompt_token_ids))):
+            needed = self.kv.most_pages_held(longest, self._largest_chunk(len(prompt_token_ids)))
             raise ValueError(
-                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.num_pages_for(longest)} KV "
-                f"pages, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
+                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {needed} KV pages at once, but the "
+                f"whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
             )
+
+    def _largest_chunk(self, num_prompt_tokens: int) -> int:
+        """The most tokens of one prompt a step computes: a chunk of the step's budget, or the whole prompt where
+        prompts are not chunked (static batching prefills its batch whole)."""
+        config = self.config
+        if config.enable_chunked_prefill and config.scheduling == "continuous":
+            return min(num_prompt_tokens, config.max_num_batched_tokens)
+        return num_prompt_tokens
 
     def _validate_pooling(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """An embedding request's checks: the model can embed, the prompt fits its context (it may fill it: nothing

@@ -120,10 +120,17 @@ class PageContents:
 
 
 def make_scheduler(
-    num_pages: int = 64, page_size: int = 4, enable_prefix_caching: bool = True, salt: bytes = SALT, **options
+    num_pages: int = 64,
+    page_size: int = 4,
+    enable_prefix_caching: bool = True,
+    salt: bytes = SALT,
+    window: int | None = None,
+    **options,
 ) -> Scheduler:
-    """A Scheduler over a KVCacheManager of `num_pages` pages; `options` are SchedulerConfig's fields."""
-    return Scheduler(SchedulerConfig(**options), KVCacheManager(num_pages, page_size, enable_prefix_caching, salt))
+    """A Scheduler over a KVCacheManager of `num_pages` pages (`window`: every layer's sliding window, if the model
+    has one); `options` are SchedulerConfig's fields."""
+    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching, salt, window)
+    return Scheduler(SchedulerConfig(**options), kv)
 
 
 def _token_zero(seq: Sequence) -> int:

@@ -198,6 +198,24 @@ def test_windowed_sequences_run_together_in_a_pool_too_small_to_hold_them_whole(
     assert llm.engine.scheduler.num_preemptions == 0
 
 
+def test_a_windowed_request_longer_than_the_whole_pool_is_served_and_found_again(checkpoints):
+    """A pool of 15 pages (one window and a chunk are 7) serves requests of 21 and 22 pages, exactly; each sent
+    again is a prefix-cache hit found by its window, its head pages having been evicted as it ran."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (8 * GEMMA_WINDOW, 7 * GEMMA_WINDOW + 5)]
+    model_dir = checkpoints("mistral")
+    expected = transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+    num_pages = pages_held_at_most(chunk=32) + 8
+    config = load_model_config(model_dir)
+    llm = windowed_llm(model_dir, max_num_seqs=1, kv_cache_bytes=num_pages * page_bytes(config, 8, torch.float32))
+    assert llm.engine.kv.num_pages == num_pages < min(-(-(len(p) + NUM_REFERENCE_TOKENS) // 8) for p in prompts)
+    for prompt, want in zip(prompts, expected, strict=True):
+        first, again = (llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0] for _ in range(2))
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+        assert again.num_cached_tokens == (len(prompt) - 1) // 8 * 8
+        assert llm.engine.kv.lookup(llm.engine.kv.hasher.hash_tokens(prompt)).page_ids == []  # its head is gone
+
+
 def transformers_logits(model_dir, tokens: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 

@@ -76,11 +76,14 @@ def test_every_chat_chunk_carries_a_token_and_the_first_also_the_role(daemon, cl
 
 
 def test_before_a_long_prefills_first_token_only_keep_alive_comments_go_out(daemon):
+    """The role chunk never runs ahead of the prefill: whatever precedes the first data line is a keep-alive comment.
+    (How many there are is the machine's to say: a starved gateway may find the first token already there;
+    test_gateway_keepalive shows the comments over a call that stays quiet.)"""
     with standalone_gateway(daemon, "--sse-keepalive", "0.001") as url:
         long_chat = [{"role": "user", "content": "long " * 380}]  # its prefill: a quiet spell of many keep-alives
         lines = _sse_lines(url, "/v1/chat/completions", {"messages": long_chat, "max_tokens": 2, "stream": True})
         first_data = next(index for index, line in enumerate(lines) if line.startswith("data: "))
-        assert first_data > 0 and set(lines[:first_data]) == {": keep-alive"}
+        assert set(lines[:first_data]) <= {": keep-alive"}
         first = json.loads(lines[first_data].removeprefix("data: "))
         assert first["choices"][0]["delta"]["role"] == "assistant"
         assert lines[-1] == "data: [DONE]"

@@ -45,8 +45,8 @@ def test_pool_needs_at_least_one_page():
 def test_num_pages_for_rounds_up():
     manager = KVCacheManager(8, 16)
     assert [manager.num_pages_for(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
-    assert manager.fits_pool(8 * 16)
-    assert not manager.fits_pool(8 * 16 + 1)
+    assert manager.fits_pool(8 * 16, max_chunk=16)
+    assert not manager.fits_pool(8 * 16 + 1, max_chunk=16)
 
 
 def test_freed_pages_are_reused_and_a_shared_page_survives_one_owner():

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from page_pool_fixtures import PageContents, count_page_hashes, fake_step, make_scheduler, make_seq
 
 from gpu_runtime.ipc.enums import FinishReason, Priority
+from gpu_runtime.kv_cache.manager import held_pages
 from gpu_runtime.scheduler import SchedulerOutput
 from gpu_runtime.sequence import Sequence, SequenceStatus
 
@@ -42,12 +43,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduling=st.sampled_from(["continuous", "continuous", "static"]),
         caching=st.sampled_from([True, True, False]),
         prefixes=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=16), min_size=1, max_size=3),
+        # A model whose every layer slides: pages behind the window go back as sequences move on.
+        window=st.sampled_from([None, None, None, 1, 2, 3, 5, 8]),
     )
-    def setup(self, num_pages, page_size, max_num_seqs, spare_tokens, chunked, scheduling, caching, prefixes):
+    def setup(self, num_pages, page_size, max_num_seqs, spare_tokens, chunked, scheduling, caching, prefixes, window):
         self.scheduler = make_scheduler(
             num_pages,
             page_size,
             caching,
+            window=window,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_seqs + spare_tokens,
             enable_chunked_prefill=chunked,
@@ -142,11 +146,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert out.prefills and remaining > left, f"{head.request_id} waits with {left} tokens of budget left"
 
     def _compute(self, out: SchedulerOutput) -> None:
-        """The forward: it reads the K/V of every computed token and writes that of the scheduled ones."""
+        """The forward: it reads the K/V of every computed token it sees (with a window, those of the pages it did not
+        give back) and writes that of the scheduled ones."""
         work = [(seq, 1) for seq in out.decodes] + [(w.seq, w.num_new_tokens) for w in out.prefills]
         for seq, num_new in work:
             tokens = seq.token_ids_range(0, seq.num_tokens)
-            for i in range(self.kv.num_pages_for(seq.num_computed_tokens)):
+            for i in range(seq.num_released_pages, self.kv.num_pages_for(seq.num_computed_tokens)):
                 filled = min(self.P, seq.num_computed_tokens - i * self.P)
                 got = self.content.read(seq.page_ids[i])[:filled]
                 expected = self.content.expected(tokens, i, seq.cache_salt)[:filled]
@@ -217,7 +222,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens = data.draw(st.sampled_from([n for n in (8, 2, 16, 4, 1) if n <= longest]), label="max_tokens")
         cache_salt = data.draw(cache_salt_st, label="cache_salt")
         seq = make_seq(f"r{len(self.created)}", prompt, max_tokens, priority=priority, cache_salt=cache_salt)
-        assert self.kv.fits_pool(seq.num_tokens + max_tokens)
+        assert self.kv.fits_pool(seq.num_tokens + max_tokens, max_chunk=seq.num_tokens)
         self.created.append(seq)
         self.sampled[seq.request_id] = []
         self.scheduler.add(seq)
@@ -268,11 +273,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         holders = scheduler.running + scheduler.held
         self.kv.check_integrity(holders + scheduler.waiting)
-        owners = Counter(page for seq in holders for page in seq.page_ids)
+        owners = Counter(page for seq in holders for page in held_pages(seq))
         assert self.kv.num_used_pages == len(owners)
         assert self.kv.num_free_pages + self.kv.num_used_pages == self.kv.num_pages
         for seq in holders:
-            for index, page in enumerate(seq.page_ids):
+            for index in range(seq.num_released_pages, len(seq.page_ids)):  # those behind a window are given back
+                page = seq.page_ids[index]
                 if owners[page] > 1:
                     assert index < seq.num_registered_pages and self.kv.allocator.hash_of(page) is not None, (
                         f"{seq.request_id} shares page {page}, which is not a cached prefix page"

@@ -113,3 +113,41 @@ def test_integrity_check_catches_a_page_released_inside_the_window():
     seq.num_released_pages += 1  # as if one more page had gone: one the next query still reads
     with pytest.raises(AssertionError):
         kv.check_integrity([seq])
+
+
+def test_a_prefix_whose_head_was_evicted_is_found_by_its_window():
+    """A windowed request needs only the pages its next query sees: a prefix whose first pages were evicted (given
+    back first, they are the oldest in the cache) is still a hit, its head skipped instead of recomputed."""
+    kv = KVCacheManager(20, PAGE, salt=SALT, window=WINDOW)
+    prompt = list(range(60))  # 15 pages
+    first = make_seq("first", prompt, max_tokens=1)
+    run(kv, first, num_decodes=0)
+    kv.release(first)
+    others = kv.allocator.allocate(10)  # the 5 empty pages, then the 5 oldest cached: the prompt's head
+    kv.allocator.free(others)
+    again = make_seq("again", prompt, max_tokens=4)
+    kv.hash_new_pages(again)
+    assert kv.lookup(again.page_hashes).page_ids == []  # the head is gone: a whole-prefix lookup finds nothing
+    match = kv.find_cached_prefix(again)
+    assert match.num_tokens(PAGE) == 14 * PAGE  # every full page but the last token's (its step samples)
+    assert match.num_skipped == (14 * PAGE - WINDOW + 1) // PAGE == 11  # from the next query's window on
+    assert len(match.page_ids) == 3
+    run(kv, again, num_decodes=4)
+    assert again.num_computed_tokens == len(prompt) + 4 and again.num_released_pages > 11
+    kv.check_integrity([again])
+
+
+def test_with_a_window_a_request_longer_than_the_pool_fits():
+    """Admission counts the pages a request holds at once: with a window, one window plus a step's chunk."""
+    windowed, whole = KVCacheManager(8, PAGE, window=WINDOW), KVCacheManager(8, PAGE)
+    assert windowed.most_pages_held(1000, max_chunk=CHUNK) == most_pages_held(WINDOW, PAGE, CHUNK) == 6
+    assert windowed.fits_pool(1000, max_chunk=CHUNK) and not whole.fits_pool(1000, max_chunk=CHUNK)
+    assert not windowed.fits_pool(1000, max_chunk=1000)  # a prompt computed whole holds all of its pages
+
+
+def test_a_request_longer_than_the_pool_runs_to_its_end_in_it():
+    kv = KVCacheManager(most_pages_held(WINDOW, PAGE, CHUNK), PAGE, salt=SALT, window=WINDOW)
+    seq = make_seq("long", list(range(200)), max_tokens=100)
+    assert kv.num_pages_for(300) > kv.num_pages * 10
+    run(kv, seq, num_decodes=100, on_step=lambda: kv.check_integrity([seq]))
+    assert seq.num_computed_tokens == 300

@@ -11,13 +11,16 @@ from gpu_runtime.sequence import Sequence
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest run of a sequence's leading full pages already in the cache."""
+    """The cached pages a sequence may start from: the longest run of its leading full pages in the cache or, with a
+    window, the longest prefix whose last window is cached: its `num_skipped` first pages, behind that window, are
+    not needed (nor held)."""
 
-    page_ids: list[int]
-    hashes: list[bytes]
+    page_ids: list[int]  # the pages after the skipped ones, in order
+    hashes: list[bytes]  # theirs
+    num_skipped: int = 0
 
     def num_tokens(self, page_size: int) -> int:
-        return len(self.page_ids) * page_size
+        return (self.num_skipped + len(self.page_ids)) * page_size
 
 
 class KVCacheManager:
@@ -66,9 +69,19 @@ class KVCacheManager:
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def fits_pool(self, num_tokens: int) -> bool:
-        """Whether a sequence this long could ever be held, with the whole pool to itself."""
-        return self.num_pages_for(num_tokens) <= self.allocator.num_pages
+    def fits_pool(self, num_tokens: int, max_chunk: int) -> bool:
+        """Whether a sequence this long, computed at most `max_chunk` tokens a step, could ever be held with the whole
+        pool to itself."""
+        return self.most_pages_held(num_tokens, max_chunk) <= self.allocator.num_pages
+
+    def most_pages_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most pages a sequence of `num_tokens` holds at once: all of them, or with a window the pages from its
+        window's oldest position to the end of a step's chunk (admission included: find_cached_prefix skips the
+        pages behind the window)."""
+        whole = self.num_pages_for(num_tokens)
+        if self.window is None:
+            return whole
+        return min(whole, self.num_pages_for(self.window - 1 + max_chunk) + 1)
 
     # -- hashing --------------------------------------------------------------------------------------
 
@@ -85,8 +98,28 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixMatch:
         """The cached pages holding the longest prefix of `seq` it may reuse (Sequence.num_reusable_tokens: at least
-        one token is left to compute, whose step yields the next token's logits); changes nothing."""
-        return self.lookup(seq.page_hashes[: seq.num_reusable_tokens // self.page_size])
+        one token is left to compute, whose step yields the next token's logits); changes nothing. With a window,
+        only the pages the next query sees must be cached (the ones behind it are evicted first, being older)."""
+        hashes = seq.page_hashes[: seq.num_reusable_tokens // self.page_size]
+        if self.window is None or not self.enable_prefix_caching:
+            return self.lookup(hashes)
+        return self._lookup_window(hashes)
+
+    def _lookup_window(self, hashes: list[bytes]) -> PrefixMatch:
+        """The longest leading run of `hashes` whose pages from its window's oldest position on are all cached (a
+        page's hash chains every token before it, so a cached page is this very prefix's)."""
+        pages = [self.allocator.lookup(content_hash) for content_hash in hashes]
+        best = run = 0  # the longest usable prefix in pages; the cached pages ending at the current one
+        for end, page in enumerate(pages, start=1):
+            run = run + 1 if page is not None else 0
+            if run >= max(end - self._first_visible_page(end), 1):
+                best = end
+        first = self._first_visible_page(best) if best else 0
+        return PrefixMatch(pages[first:best], hashes[first:best], num_skipped=first)
+
+    def _first_visible_page(self, num_pages: int) -> int:
+        """The page holding the oldest position the query after `num_pages` full pages sees."""
+        return max(num_pages * self.page_size - self.window + 1, 0) // self.page_size
 
     def lookup(self, hashes: list[bytes]) -> PrefixMatch:
         """The cached pages of the longest leading run of `hashes`; changes nothing."""
@@ -103,13 +136,15 @@ class KVCacheManager:
     def try_admit(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> bool:
         """Gives `seq` its cached prefix plus fresh pages up to `num_tokens`; False (and no change) if short."""
         revived = sum(1 for page in match.page_ids if self.allocator.is_evictable(page))
-        fresh = self.num_pages_for(num_tokens) - len(match.page_ids)
+        fresh = self.num_pages_for(num_tokens) - match.num_skipped - len(match.page_ids)
         if fresh + revived > self.allocator.num_free_pages:
             return False
         for page in match.page_ids:  # share first, so the allocation below cannot evict them
             self.allocator.share(page)
-        seq.page_ids = match.page_ids + self.allocator.allocate(max(fresh, 0))
-        seq.num_registered_pages = len(match.page_ids)
+        held = match.page_ids + self.allocator.allocate(max(fresh, 0))
+        seq.page_ids = held[:1] * match.num_skipped + held  # skipped entries name a page it holds, as released ones
+        seq.num_released_pages = match.num_skipped
+        seq.num_registered_pages = match.num_skipped + len(match.page_ids)
         if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)

@@ -10,6 +10,7 @@ from frontend.tool_calls.messages import template_message
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.ipc.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from gpu_runtime.kv_cache.page_budget import largest_chunk, pages_held_at_most
 from tokend.v1 import tokend_pb2 as pb
 
 MAX_STOP_STRINGS = 8
@@ -83,10 +84,11 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
             f"the context of {model.max_model_len} tokens"
         )
     longest = len(token_ids) + params.max_tokens
-    pages_needed = -(-longest // model.page_size)
+    chunk = largest_chunk(len(token_ids), model.max_prefill_chunk)
+    pages_needed = pages_held_at_most(longest, model.page_size, model.kv_window, chunk)  # as the engine counts them
     if pages_needed > model.num_pages:
         raise invalid(
-            f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages, "
+            f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages at once, "
             f"but the whole cache holds {model.num_pages}"
         )
     return PreparedRequest(token_ids, params, stop, PRIORITIES[request.priority])

@@ -21,6 +21,7 @@ from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.manager import KVCacheManager
+from gpu_runtime.kv_cache.page_budget import largest_chunk
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.memory_profile import load_model_and_pool
@@ -168,20 +169,21 @@ class LLMEngine:
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)  # GrammarError (a ValueError) names the field
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        if not self.kv.fits_pool(longest, self._largest_chunk(len(prompt_token_ids))):
-            needed = self.kv.most_pages_held(longest, self._largest_chunk(len(prompt_token_ids)))
+        chunk = largest_chunk(len(prompt_token_ids), self.max_prefill_chunk)
+        if not self.kv.fits_pool(longest, chunk):
             raise ValueError(
-                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {needed} KV pages at once, but the "
-                f"whole cache holds {self.kv.num_pages}; lower max_tokens or raise kv_cache_bytes"
+                f"max_tokens: prompt plus max_tokens ({longest} tokens) need {self.kv.most_pages_held(longest, chunk)} "
+                f"KV pages at once, but the whole cache holds {self.kv.num_pages}; lower max_tokens or raise "
+                "kv_cache_bytes"
             )
 
-    def _largest_chunk(self, num_prompt_tokens: int) -> int:
-        """The most tokens of one prompt a step computes: a chunk of the step's budget, or the whole prompt where
-        prompts are not chunked (static batching prefills its batch whole)."""
+    @property
+    def max_prefill_chunk(self) -> int:
+        """The most prompt tokens a step computes for one request; 0: a prompt is computed whole (not chunked, or a
+        static batch)."""
         config = self.config
-        if config.enable_chunked_prefill and config.scheduling == "continuous":
-            return min(num_prompt_tokens, config.max_num_batched_tokens)
-        return num_prompt_tokens
+        chunked = config.enable_chunked_prefill and config.scheduling == "continuous"
+        return config.max_num_batched_tokens if chunked else 0
 
     def _validate_pooling(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """An embedding request's checks: the model can embed, the prompt fits its context (it may fill it: nothing

@@ -6,11 +6,16 @@ tests/test_model_families.py's."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from page_pool_fixtures import SALT, make_seq
 
+from frontend.errors import RequestError
+from frontend.validation import prepare
+from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.kv_cache.manager import KVCacheManager, held_pages
 from gpu_runtime.sequence import Sequence
+from tokend.v1 import tokend_pb2 as pb
 
 PAGE = 4
 WINDOW = 10  # not a multiple of the page: the oldest visible page is partly out of the window
@@ -151,3 +156,27 @@ def test_a_request_longer_than_the_pool_runs_to_its_end_in_it():
     assert kv.num_pages_for(300) > kv.num_pages * 10
     run(kv, seq, num_decodes=100, on_step=lambda: kv.check_integrity([seq]))
     assert seq.num_computed_tokens == 300
+
+
+def scheduler_ready(window: int | None, max_prefill_chunk: int) -> SchedulerReady:
+    """A scheduler of 8 pages of 4 tokens, as its hello tells the frontend."""
+    return SchedulerReady("m/0", "1", 1, "m", "/m", "0", 4096, 258, 8, PAGE, 1, b"", kv_window=window,
+                          max_prefill_chunk=max_prefill_chunk)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("window", "max_prefill_chunk", "pages"),
+    [(WINDOW, CHUNK, None), (None, CHUNK, 250), (WINDOW, 0, 29)],  # None: accepted
+)
+def test_the_frontend_counts_a_requests_pages_as_the_engine_does(window, max_prefill_chunk, pages):
+    """1,000 tokens (250 pages) against a pool of 8: a windowed model computing its prompt in chunks holds one window
+    and a chunk (6 pages) and is served; without a window, or with the 100-token prompt computed whole, it is refused
+    with INVALID_ARGUMENT naming the field and the pages it would need at once."""
+    request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=900))
+    ready, prompt = scheduler_ready(window, max_prefill_chunk), list(range(100))
+    if pages is None:
+        assert prepare(request, ready, prompt).sampling.max_tokens == 900
+        return
+    with pytest.raises(RequestError, match=rf"^sampling.max_tokens: .* need {pages} KV pages at once") as refused:
+        prepare(request, ready, prompt)
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT

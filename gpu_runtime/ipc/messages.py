@@ -173,6 +173,10 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     # What its embeddings are (the defaults of an embedding request).
     pooling: ModelPooling = ModelPooling()
     generates: bool = True  # False: a base model's checkpoint without lm_head, which serves embeddings only
+    # What the pages a request holds at once depend on (gpu_runtime.kv_cache.page_budget): every layer's sliding
+    # window, if the model has one, and the most prompt tokens a step computes (0: prompts are computed whole).
+    kv_window: int | None = None
+    max_prefill_chunk: int = 0
 
 
 class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_runtime.kv_cache.page_allocator import PageAllocator
+from gpu_runtime.kv_cache.page_budget import pages_held_at_most
 from gpu_runtime.kv_cache.page_hashes import PageHasher
 from gpu_runtime.sequence import Sequence
 
@@ -78,10 +79,7 @@ class KVCacheManager:
         """The most pages a sequence of `num_tokens` holds at once: all of them, or with a window the pages from its
         window's oldest position to the end of a step's chunk (admission included: find_cached_prefix skips the
         pages behind the window)."""
-        whole = self.num_pages_for(num_tokens)
-        if self.window is None:
-            return whole
-        return min(whole, self.num_pages_for(self.window - 1 + max_chunk) + 1)
+        return pages_held_at_most(num_tokens, self.page_size, self.window, max_chunk)
 
     # -- hashing --------------------------------------------------------------------------------------
 

@@ -296,6 +296,8 @@ class SchedulerLoop:
             tool_call_parser=engine.config.tool_call_parser,
             pooling=engine.pooling,
             generates=engine.model_config.generates,
+            kv_window=engine.kv.window,
+            max_prefill_chunk=engine.max_prefill_chunk,
         )
 
     def _report_when_due(self, force: bool = False) -> None:

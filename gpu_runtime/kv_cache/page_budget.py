@@ -1,0 +1,20 @@
+"""How many KV pages one request holds at once: the page math the engine admits by, and the frontend checks requests
+against before they reach a scheduler (no imports: the frontend process reads it too, without torch)."""
+
+from __future__ import annotations
+
+
+def pages_held_at_most(num_tokens: int, page_size: int, window: int | None, max_chunk: int) -> int:
+    """The most pages a sequence of `num_tokens` tokens holds at once when a step computes at most `max_chunk` of them:
+    all of its pages, or where every layer slides over `window` positions, those from its window's oldest position to
+    the end of a step's chunk (pages behind the window are given back, and skipped by a prefix-cache hit)."""
+    whole = -(-num_tokens // page_size)
+    if window is None:
+        return whole
+    return min(whole, -(-(window - 1 + max_chunk) // page_size) + 1)
+
+
+def largest_chunk(num_prompt_tokens: int, max_prefill_chunk: int) -> int:
+    """The most tokens of one prompt a step computes: `max_prefill_chunk` (chunked prefill's step budget), or the whole
+    prompt where it is 0 (prompts are not chunked, or a static batch prefills whole)."""
+    return min(num_prompt_tokens, max_prefill_chunk) if max_prefill_chunk else num_prompt_tokens

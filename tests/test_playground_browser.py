@@ -22,7 +22,10 @@ from tokend.v1 import tokend_pb2 as pb
 
 ARTIFACTS = Path(os.environ.get("TOKEND_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 LONG_PROMPT = "Tell me a long story."
-LONG_ANSWER = 2000  # tokens, of a 2,048 context: greedy, the random model runs this long (checked); Stop ends it
+# Tokens the Stop test asks for, from a copy of the tiny model with a 32k context that cannot say end-of-sequence: its
+# answer runs for many seconds whatever the load, so Stop and nothing else ends it. (2,000 tokens of the 2,048
+# context took 7 s on a busy machine, less than the browser took to check the load panel and reach the button.)
+LONG_ANSWER = 30_000
 WAIT_MS = 60_000  # the most any page condition may take on a loaded 2-core machine; most take well under a second
 KEYS = {"admin": "sk-admin-0123456789", "user": "sk-user-0123456789", "metered": "sk-metered-0123456789"}
 WRONG_KEY = "sk-wrong-0123456789"
@@ -57,6 +60,30 @@ def browser():
 def daemon():
     """Tenants off: anyone who reaches the gateway may chat and read the load."""
     with Daemon() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def endless_daemon(tmp_path_factory):
+    """Serves, under the tiny model's name, a copy of it that cannot end an answer before max_tokens: its context is
+    32,768 (positions are rotary, computed to any length) and its end-of-sequence token's embedding row is zero. The
+    embeddings are tied, so that token's logit is exactly 0, never above the largest of the 257 others (an answer
+    whose every logit is negative: about 2^-257 a step)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from gpu_runtime.default_model import ensure_tiny_random_model
+
+    model_dir = tmp_path_factory.mktemp("endless") / TINY_RANDOM_MODEL_NAME
+    shutil.copytree(ensure_tiny_random_model(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 32_768}))
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.embed_tokens.weight"][config["eos_token_id"]] = torch.zeros(config["hidden_size"])
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    daemon_config = tmp_path_factory.mktemp("endless-config") / "tokend.toml"
+    daemon_config.write_text(f'[[models]]\nname = "{TINY_RANDOM_MODEL_NAME}"\npath = "{model_dir}"\n')
+    with Daemon("--config", str(daemon_config)) as running:
         yield running
 
 
@@ -205,15 +232,10 @@ def test_a_conversation_with_a_system_prompt_is_sent_whole_and_kept(daemon, page
     assert foreign == [] and page.problems == []
 
 
-def test_stop_ends_the_stream_while_the_load_panel_shows_it_running(daemon, page):
+def test_stop_ends_the_stream_while_the_load_panel_shows_it_running(endless_daemon, page):
     from playwright.sync_api import expect
 
-    # Greedy, so that the random model's answer is known to run long (no early end-of-sequence) and Stop,
-    # not the model, ends it.
-    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=LONG_PROMPT)])
-    request = pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(max_tokens=LONG_ANSWER, temperature=0))
-    assert list(daemon.generation.Generate(request, timeout=120))[-1].finish_reason == "length"
-
+    daemon = endless_daemon  # its model cannot say end-of-sequence: Stop, not the model, ends the answer
     page.goto(daemon.http_url + "/")
     card = page.locator(f'#load-schedulers [data-model="{TINY_RANDOM_MODEL_NAME}"]')
     expect(card.locator(".running")).to_have_text("0")  # tenants off: anyone may read the load

@@ -81,10 +81,10 @@ class GrammarChecks:
         if size > max_bytes:
             raise StructuredOutputRefused(kind, "too_large", f"{field}: {size} bytes is over this tenant's limit "
                                           f"of {max_bytes}")  # fmt: skip
-        compiler = await self._compiler(model)
-        hits = compiler.hits
         loop = asyncio.get_running_loop()
         try:
+            compiler = await self._compiler(model)  # GrammarError where the model cannot be held to a grammar
+            hits = compiler.hits
             compiled = await loop.run_in_executor(self._executor, compiler.compile, output)
         except GrammarError as error:
             raise StructuredOutputRefused(kind, "invalid", f"{field}: {error.reason}") from None

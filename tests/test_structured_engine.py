@@ -178,3 +178,47 @@ def test_the_offline_api_refuses_a_spec_that_cannot_be_enforced_naming_the_field
     with pytest.raises(ValueError, match=r"^structured_output\.json_schema: Unimplemented keys"):
         llm.generate(PROMPT, bad)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_model_without_an_end_of_sequence_token_warms_up_and_refuses_structured_outputs_naming_the_field(tmp_path):
+    """Some checkpoints set no eos_token_id: the scheduler still starts (its warm-up skips the grammar) and serves,
+    and a structured output, which a grammar ends with that token, is refused naming the field, in the frontend's
+    compiler as in the engine."""
+    import asyncio
+    import shutil
+
+    import grpc
+
+    from frontend.metrics import FrontendMetrics
+    from frontend.structured_outputs import GrammarChecks, StructuredOutputRefused
+    from gpu_runtime.ipc.messages import SchedulerReady
+    from gpu_runtime.structured.compiler import GrammarCompiler, GrammarError
+    from gpu_runtime.worker.warm_up import warm_up
+
+    model_dir = tmp_path / "no-eos"
+    shutil.copytree(ensure_tiny_random_model(), model_dir)
+    for name in ("config.json", "generation_config.json"):
+        settings = json.loads((model_dir / name).read_text())
+        settings.pop("eos_token_id", None)
+        (model_dir / name).write_text(json.dumps(settings))
+    llm = LLM(str(model_dir), device="cpu")
+    assert llm.engine.model_config.eos_token_ids == ()
+    warm_up(llm.engine)
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
+    assert len(out.outputs[0].token_ids) == 4
+    constrained = SamplingParams(structured_output=StructuredOutput.regex("yes|no"))
+    with pytest.raises(ValueError, match=r"^structured_output: the model has no end-of-sequence token"):
+        llm.generate(PROMPT, constrained)
+    with pytest.raises(GrammarError, match=r"no end-of-sequence token"):
+        GrammarCompiler.for_model(model_dir, llm.engine.model_config.vocab_size, [])
+    # The frontend, checking the request before it reaches a scheduler: INVALID_ARGUMENT naming the field sent.
+    ready = SchedulerReady("w", "i", 1, "m", str(model_dir), "g", 2048, llm.engine.model_config.vocab_size, 64, 16, 8,
+                           b"", eos_token_ids=())  # fmt: skip
+    checks = GrammarChecks(FrontendMetrics())
+    try:
+        with pytest.raises(StructuredOutputRefused) as refused:
+            asyncio.run(checks.check(constrained.structured_output, ready, None))
+    finally:
+        checks.close()
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT and refused.value.reason == "invalid"
+    assert refused.value.message.startswith("sampling.structured_output.regex: the model has no end-of-sequence")

@@ -53,6 +53,9 @@ class GrammarCompiler:
     """Thread-safe: the frontend compiles on its worker threads (llguidance drops the GIL while it compiles)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], cache_size=DEFAULT_CACHE_SIZE):
+        if not eos_token_ids:  # llguidance ends a complete grammar with it; a model that has none cannot be held to one
+            raise GrammarError("structured_output", "the model has no end-of-sequence token (eos_token_id in its "
+                               "config.json or generation_config.json), which a grammar ends with")  # fmt: skip
         # ~0.2 s for a 49k vocabulary, once per model and process.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size

@@ -15,9 +15,10 @@ def warm_up(engine: LLMEngine, num_prompt_tokens: int = 32, num_output_tokens: i
     forgets the request's cached pages.
 
     Under a grammar that allows anything, so the structured-output tokenizer is built and the mask path runs now
-    (the first constrained request would otherwise pay ~0.2 s for it)."""
+    (the first constrained request would otherwise pay ~0.2 s for it); without, for a model that has no
+    end-of-sequence token (it serves no structured output: GrammarCompiler says why to each request that asks)."""
     prompt = [i % engine.model_config.vocab_size for i in range(1, num_prompt_tokens + 1)]
-    anything = StructuredOutput.regex(r"(?s:.*)")
+    anything = StructuredOutput.regex(r"(?s:.*)") if engine.model_config.eos_token_ids else None
     params = SamplingParams(max_tokens=num_output_tokens, temperature=0, ignore_eos=True, structured_output=anything)
     if not engine.model_config.generates:  # a base model embeds only: its prefill is the whole warm-up
         params = SamplingParams(max_tokens=0, pooling=PoolingParams())

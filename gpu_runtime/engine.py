@@ -182,8 +182,11 @@ class LLMEngine:
         """The most prompt tokens a step computes for one request; 0: a prompt is computed whole (not chunked, or a
         static batch)."""
         config = self.config
-        chunked = config.enable_chunked_prefill and config.scheduling == "continuous"
-        return config.max_num_batched_tokens if chunked else 0
+        if not (config.enable_chunked_prefill and config.scheduling == "continuous"):
+            return 0
+        # The step's budget: max_num_batched_tokens, or under an ITL target at least a page past one token per
+        # running sequence (LatencyPolicy.token_budget), which a tiny max_num_batched_tokens may be below.
+        return max(config.max_num_batched_tokens, config.max_num_seqs + config.page_size)
 
     def _validate_pooling(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """An embedding request's checks: the model can embed, the prompt fits its context (it may fill it: nothing

@@ -110,14 +110,14 @@ class KVCacheManager:
         best = run = 0  # the longest usable prefix in pages; the cached pages ending at the current one
         for end, page in enumerate(pages, start=1):
             run = run + 1 if page is not None else 0
-            if run >= max(end - self._first_visible_page(end), 1):
+            if run >= max(end - self._first_visible_page(end * self.page_size), 1):
                 best = end
-        first = self._first_visible_page(best) if best else 0
+        first = self._first_visible_page(best * self.page_size) if best else 0
         return PrefixMatch(pages[first:best], hashes[first:best], num_skipped=first)
 
-    def _first_visible_page(self, num_pages: int) -> int:
-        """The page holding the oldest position the query after `num_pages` full pages sees."""
-        return max(num_pages * self.page_size - self.window + 1, 0) // self.page_size
+    def _first_visible_page(self, position: int) -> int:
+        """The page holding the oldest position a query at `position` sees (with a window)."""
+        return max(position - self.window + 1, 0) // self.page_size
 
     def lookup(self, hashes: list[bytes]) -> PrefixMatch:
         """The cached pages of the longest leading run of `hashes`; changes nothing."""
@@ -175,9 +175,9 @@ class KVCacheManager:
         released full page goes to the prefix cache, as a finished sequence's pages do."""
         if self.window is None:
             return
-        first_visible = seq.num_computed_tokens - self.window + 1  # the next query sees positions from here on
-        # Whole pages before it, never the last page (its successor may not be reserved yet).
-        behind = min(max(first_visible, 0) // self.page_size, len(seq.page_ids) - 1)
+        # The pages before the one the next query's window starts in; never the last (its successor may not be
+        # reserved yet).
+        behind = min(self._first_visible_page(seq.num_computed_tokens), len(seq.page_ids) - 1)
         if behind <= seq.num_released_pages:
             return
         released = seq.page_ids[seq.num_released_pages : behind]
@@ -203,8 +203,8 @@ class KVCacheManager:
             assert seq.num_released_pages <= max(len(seq.page_ids) - 1, 0), f"{seq.request_id} released every page"
             if seq.num_released_pages:
                 assert self.window is not None, f"{seq.request_id} released pages without a window"
-                visible = seq.num_computed_tokens - self.window + 1
-                assert seq.num_released_pages * self.page_size <= visible, f"{seq.request_id} released a visible page"
+                visible = self._first_visible_page(seq.num_computed_tokens)
+                assert seq.num_released_pages <= visible, f"{seq.request_id} released a visible page"
             assert len(seq.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"
             assert len(seq.page_hashes) <= seq.num_tokens // self.page_size, f"{seq.request_id} hashed a partial page"
 

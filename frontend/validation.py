@@ -85,7 +85,7 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
         )
     longest = len(token_ids) + params.max_tokens
     chunk = largest_chunk(len(token_ids), model.max_prefill_chunk)
-    pages_needed = pages_held_at_most(longest, model.page_size, model.kv_window, chunk)  # as the engine counts them
+    pages_needed = pages_held_at_most(longest, model.page_size, model.kv_windows, chunk)  # as the engine counts them
     if pages_needed > model.num_pages:
         raise invalid(
             f"sampling.max_tokens: prompt plus max_tokens ({longest} tokens) need {pages_needed} KV pages at once, "

@@ -26,7 +26,6 @@ from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.memory_profile import load_model_and_pool
 from gpu_runtime.model.config import load_capped_model_config
-from gpu_runtime.model.llama import kv_window
 from gpu_runtime.model.pooling_config import model_pooling
 from gpu_runtime.model.tensor_parallel import check_divisible
 from gpu_runtime.model_runner import ModelRunner
@@ -91,9 +90,10 @@ class LLMEngine:
         # never match across models or across two generations of one model's weights.
         self.generation = model_generation(model_dir)
         salt = f"{self.model_name}:{self.generation}".encode()
-        # Where every layer slides, pages behind the window go back as a sequence moves on (Mistral 7B v0.1).
-        window = kv_window(model)
-        self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt, window)
+        # A block table per KV group (one unless the model mixes sliding and global layers); where a group's layers
+        # slide, its pages behind the window go back as a sequence moves on (Mistral 7B v0.1, Gemma's sliding layers).
+        self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt,
+                                 windows=pool.layout.windows)  # fmt: skip
         # Prompts' pages pinned for decode workers to pull (a prefill worker's; disaggregated serving).
         self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig

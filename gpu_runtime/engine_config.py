@@ -92,6 +92,14 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         ),
     ] = 0.9
     enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
+    disable_hybrid_kv_cache_manager: Annotated[
+        bool,
+        _doc(
+            "as vLLM's flag: a model mixing sliding-window and global layers (Gemma 2 and 3) keeps every page for "
+            "every layer (one block table) instead of a block table per group of layers, the sliding groups giving "
+            "back the pages behind the window; prefill and decode workers always do (their handover moves one table)"
+        ),
+    ] = False
     attention_backend: Annotated[Literal[ATTENTION_BACKENDS], _doc(ATTENTION_BACKEND_HELP)] = "auto"
     tensor_parallel_size: Annotated[
         int,

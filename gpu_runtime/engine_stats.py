@@ -39,9 +39,10 @@ class EngineStats:
         # A shared page counts once, as full as its fullest owner has computed it.
         fill: dict[int, int] = {}
         for seq in holders:
-            for index, page in enumerate(seq.page_ids):
-                tokens = min(kv.page_size, max(0, seq.num_computed_tokens - index * kv.page_size))
-                fill[page] = max(fill.get(page, 0), tokens)
+            for table in seq.tables:  # every KV group's
+                for index, page in enumerate(table.page_ids):
+                    tokens = min(kv.page_size, max(0, seq.num_computed_tokens - index * kv.page_size))
+                    fill[page] = max(fill.get(page, 0), tokens)
         self.peak_used_pages = used
         self.peak_kv_waste = 1.0 - sum(fill.values()) / (used * kv.page_size)
 

@@ -64,9 +64,9 @@ class MemoryPlan:
     weights_bytes: int  # parameters and buffers, as materialised
     peak_activation_bytes: int  # the profiled largest step's; 0 where no profiling run was made
     non_torch_bytes: int  # CUDA memory this process took outside PyTorch's allocator while starting
-    page_bytes: int  # one page across all layers, K and V
+    page_bytes: int  # one page across all layers (a KV group's layers, where there are several), K and V
     num_pages: int
-    max_useful_pages: int  # the cap: max_num_seqs x ceil(max_model_len / page_size)
+    max_useful_pages: int  # the cap: max_num_seqs x ceil(max_model_len / page_size), in each KV group
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -12,6 +12,7 @@ import torch
 from gpu_runtime.attention.backend import AttentionBackend
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.ipc.sampling_params import SamplingParams
+from gpu_runtime.kv_cache.kv_groups import KVLayout, kv_layout
 from gpu_runtime.kv_cache.kv_pool import KVPool, page_bytes
 from gpu_runtime.memory_budget import (
     MemoryPlan,
@@ -21,13 +22,14 @@ from gpu_runtime.memory_budget import (
 )
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.cpu_weights import can_prepack, prepack_linears
+from gpu_runtime.model.llama import layer_windows, place_kv_groups
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model.registry import CausalLM
 from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.model_runner import ModelRunner
 from gpu_runtime.sampler import Sampler
 from gpu_runtime.scheduler import PrefillWork, SchedulerOutput
-from gpu_runtime.sequence import Sequence
+from gpu_runtime.sequence import BlockTable, Sequence
 from gpu_runtime.tp.step_channel import StepChannel
 
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # kv_cache_bytes' default off CUDA: laptop-friendly
@@ -74,8 +76,9 @@ def largest_steps(config: EngineConfig, max_model_len: int) -> list[StepShape]:
 def build_step(
     shape: StepShape, model: CausalLM, model_config: ModelConfig, config: EngineConfig, dtype, device
 ) -> tuple[ModelRunner, SchedulerOutput]:
-    """`shape` as real sequences over a temporary pool just large enough (its cached K/V zeros), and the real
-    runner."""
+    """`shape` as real sequences over a temporary pool just large enough (its cached K/V zeros, in the model's KV
+    groups), and the real runner."""
+    layout = kv_layout_of(model, hybrid=not config.disable_hybrid_kv_cache_manager)
     page_size = config.page_size
     pages = itertools.count()
     vocab = model_config.vocab_size
@@ -86,6 +89,7 @@ def build_step(
         seq.num_computed_tokens = cached
         seq.page_ids = [next(pages) for _ in range(-(-(cached + new) // page_size))]
         prefills.append(PrefillWork(seq, new))
+        seq.tables += [BlockTable(seq.page_ids) for _ in range(1, layout.num_groups)]  # which pages does not matter
     decodes = []
     decode_prompt = [t % vocab for t in range(shape.decode_context)]
     # Long decodes all read the same pages (what they hold does not matter, only how many are read).
@@ -94,9 +98,9 @@ def build_step(
         seq = _profile_sequence(f"profile-decode-{index}", decode_prompt, model_config)
         seq.output_token_ids.append((index + 1) % vocab)
         seq.num_computed_tokens = shape.decode_context  # its prompt is cached: this step computes one output token
-        seq.page_ids = decode_pages
+        seq.tables = [BlockTable(decode_pages) for _ in range(layout.num_groups)]
         decodes.append(seq)
-    pool = KVPool(model_config, next(pages), page_size, dtype, device)
+    pool = KVPool(model_config, next(pages), page_size, dtype, device, layout)
     return ModelRunner(model, pool, device), SchedulerOutput(decodes=decodes, prefills=prefills)
 
 
@@ -159,6 +163,13 @@ def _peak_of(shape: StepShape, model, model_config, config, dtype, device) -> in
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def kv_layout_of(model: CausalLM, hybrid: bool = True) -> KVLayout:
+    """The model's KV groups (gpu_runtime/kv_cache/kv_groups.py): a group per kind of layer where the model mixes
+    sliding and global layers, `hybrid` allows it and its attention backend reads each group's block table; else
+    one group."""
+    return kv_layout(layer_windows(model), hybrid=hybrid and model.attention_backend.reads_group_tables)
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     """Parameters and buffers, each shared tensor once (tied embeddings, the layers' one rotary table)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
@@ -189,8 +200,10 @@ def load_model_and_pool(
         prepack_linears(model)
     model_config = model.config  # the rank's view under tensor parallelism: its KV heads size its pages
     weights = model_bytes(model)
-    per_page = page_bytes(model_config, config.page_size, dtype)
-    cap = max_useful_pages(config.max_num_seqs, model_config.max_model_len, config.page_size)
+    layout = kv_layout_of(model, hybrid=not config.disable_hybrid_kv_cache_manager)
+    place_kv_groups(model, layout)
+    per_page = page_bytes(model_config, config.page_size, dtype, layout)  # one group's layers
+    cap = max_useful_pages(config.max_num_seqs, model_config.max_model_len, config.page_size) * layout.num_groups
     peak = non_torch = 0
     if start is not None:
         peak = profiled_activation_bytes(model, model_config, config, dtype, device)
@@ -209,6 +222,6 @@ def load_model_and_pool(
         num_pages = pages_from_budget(budget, per_page, config.page_size, cap)
     if channel is not None:
         num_pages = channel.smallest(num_pages)
-    pool = KVPool(model_config, num_pages, config.page_size, dtype, device)
+    pool = KVPool(model_config, num_pages, config.page_size, dtype, device, layout)
     plan = MemoryPlan(weights, peak, non_torch, per_page, num_pages, cap)
     return model, pool, plan

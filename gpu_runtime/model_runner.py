@@ -39,7 +39,7 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
-        plan, sequences = plan_step(step, self.pool.page_size)
+        plan, sequences = plan_step(step, self.pool.page_size, self.pool.layout.num_groups)
         if self.channel is not None:
             self.channel.send(RunStep(plan))
         return self._planned(inputs_of_plan(plan, self.device, sequences))

@@ -25,6 +25,18 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
+class BlockTable:
+    """Which pages hold a sequence's tokens, for the layers of one KV group."""
+
+    page_ids: list[int] = field(default_factory=list)  # page i holds tokens [i*P, (i+1)*P)
+    num_registered_pages: int = 0  # leading pages that are in the prefix cache
+    # Leading pages given back because their tokens left the group's window (KVCacheManager.release_behind_window);
+    # their entries now name the first page it still holds, so a kernel that reads them (masked: they are out of
+    # the window) reads this sequence's own K/V.
+    num_released_pages: int = 0
+
+
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,15 +57,12 @@ class Sequence:
     pooled_positions: int = 0
     pooled: torch.Tensor | None = None
     cache_salt: str = ""  # folded into the first page's hash: only requests with the same salt share pages
-    page_ids: list[int] = field(default_factory=list)  # the block table: page i holds tokens [i*P, (i+1)*P)
+    # Its block table in each KV group (gpu_runtime/kv_cache/kv_groups.py): one, unless the model mixes sliding and
+    # global layers. The first group's is page_ids, num_registered_pages and num_released_pages below.
+    tables: list[BlockTable] = field(default_factory=lambda: [BlockTable()])
     # The chained content hash of each full page of its tokens, computed once as the page fills (prefix caching
     # on); they depend on content alone, so they outlive preemption.
     page_hashes: list[bytes] = field(default_factory=list)
-    num_registered_pages: int = 0  # leading pages of the block table that are in the prefix cache
-    # Leading pages of the block table given back because their tokens left every layer's window (a model whose
-    # layers all slide: KVCacheManager.window); their entries now name the first page it still holds, so a
-    # kernel that reads them (masked: they are out of the window) reads this sequence's own K/V.
-    num_released_pages: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache; written by the scheduler alone
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     first_scheduled_time: float | None = None  # when it first entered the running batch (monotonic)
@@ -69,6 +78,31 @@ class Sequence:
     # every output token, so a preempted sequence resumes with it as it is.
     matcher: llguidance.LLMatcher | None = None
     grammar_error: str | None = None  # why the matcher refused a token (finishes the sequence with ERROR)
+
+    @property
+    def page_ids(self) -> list[int]:
+        """The first KV group's block table (every layer's, unless the model is hybrid)."""
+        return self.tables[0].page_ids
+
+    @page_ids.setter
+    def page_ids(self, pages: list[int]) -> None:
+        self.tables[0].page_ids = pages
+
+    @property
+    def num_registered_pages(self) -> int:
+        return self.tables[0].num_registered_pages
+
+    @num_registered_pages.setter
+    def num_registered_pages(self, count: int) -> None:
+        self.tables[0].num_registered_pages = count
+
+    @property
+    def num_released_pages(self) -> int:
+        return self.tables[0].num_released_pages
+
+    @num_released_pages.setter
+    def num_released_pages(self, count: int) -> None:
+        self.tables[0].num_released_pages = count
 
     @property
     def num_tokens(self) -> int:

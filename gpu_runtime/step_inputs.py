@@ -55,6 +55,15 @@ class StepInputs:
         return max((item.seq.params.prompt_logprobs or 0 for item in self.scored), default=0)
 
 
+class GroupPlan(msgspec.Struct, frozen=True, array_like=True):
+    """Another KV group's part of a step (a hybrid model's: gpu_runtime/kv_cache/kv_groups.py): the rows are the
+    first group's, at this group's pages."""
+
+    slots: list[int]  # cache slot of each stored token
+    decode_pages: list[list[int]]  # each decode row's pages, in the rows' order
+    prefill_pages: list[list[int]]
+
+
 class StepPlan(msgspec.Struct, frozen=True, array_like=True):
     """A step's flattened batch as plain integers: everything its forward needs but the weights and the cache."""
 
@@ -67,6 +76,7 @@ class StepPlan(msgspec.Struct, frozen=True, array_like=True):
     num_real_decodes: int
     scored_rows: list[int] = []  # rows whose logits score a prompt token (prompt logprobs), and those tokens
     scored_targets: list[int] = []
+    other_groups: list[GroupPlan] = []  # the KV groups after the first (slots and PlanRow.pages are the first's)
 
 
 class _HostBuffer:
@@ -89,14 +99,14 @@ class _HostBuffer:
         return [device_copy[start : start + length].view(shape) for start, length, shape in self.sections]
 
 
-def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device) -> StepInputs:
+def build_step_inputs(step: SchedulerOutput, page_size: int, device: torch.device, num_groups: int = 1) -> StepInputs:
     """The step's inputs (its attention backend's `plan` still to run on their metadata)."""
-    plan, sequences = plan_step(step, page_size)
+    plan, sequences = plan_step(step, page_size, num_groups)
     return inputs_of_plan(plan, device, sequences)
 
 
-def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, StepSequences]:
-    """The step's plan, and which of its rows are whose."""
+def plan_step(step: SchedulerOutput, page_size: int, num_groups: int = 1) -> tuple[StepPlan, StepSequences]:
+    """The step's plan, and which of its rows are whose (`num_groups`: the KV groups, each with its block table)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -145,9 +155,30 @@ def plan_step(step: SchedulerOutput, page_size: int) -> tuple[StepPlan, StepSequ
         decode_rows.append(PlanRow(len(input_ids), 1, context, _pages(seq, context, page_size)))
         input_ids.extend(seq.token_ids_range(context - 1, context))
         positions.append(context - 1)
+    other_groups = [_group_plan(step, group, page_size) for group in range(1, num_groups)]
     plan = StepPlan(input_ids, positions, slots, logits_rows, decode_rows, prefill_rows, num_real_decodes,
-                    scored_rows, scored_targets)  # fmt: skip
+                    scored_rows, scored_targets, other_groups)  # fmt: skip
     return plan, sequences
+
+
+def _group_plan(step: SchedulerOutput, group: int, page_size: int) -> GroupPlan:
+    """KV group `group`'s slots and pages for the rows plan_step laid out, in the same order."""
+    slots: list[int] = []
+    decode_pages: list[list[int]] = []
+    prefill_pages: list[list[int]] = []
+    for seq in step.decodes:
+        pages, position = seq.tables[group].page_ids, seq.num_computed_tokens
+        slots.append(pages[position // page_size] * page_size + position % page_size)
+        decode_pages.append(pages[: position // page_size + 1])
+    for work in step.prefills:
+        pages, start = work.seq.tables[group].page_ids, work.seq.num_computed_tokens
+        end = start + work.num_new_tokens
+        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        prefill_pages.append(pages[: -(-end // page_size)])
+    for seq in step.padding:
+        if seq.num_computed_tokens:
+            decode_pages.append(seq.tables[group].page_ids[: -(-seq.num_computed_tokens // page_size)])
+    return GroupPlan(slots, decode_pages, prefill_pages)
 
 
 def inputs_of_plan(plan: StepPlan, device: torch.device, sequences: StepSequences | None = None) -> StepInputs:
@@ -160,11 +191,16 @@ def inputs_of_plan(plan: StepPlan, device: torch.device, sequences: StepSequence
     decode_sections = _add_decode_sections(buffer, decode_rows, has_padding=len(decode_rows) > num_real_decodes)
     prefill_sections = _add_prefill_sections(buffer, prefill_rows)
     scored_at = (buffer.add(plan.scored_rows), buffer.add(plan.scored_targets)) if plan.scored_rows else None
+    group_sections = [_add_group_sections(buffer, group) for group in plan.other_groups]
     tensors = buffer.to_device(device)
 
     decode = _decode_batch(tensors, decode_sections, decode_rows)
     prefill = _prefill_batch(tensors, prefill_sections, prefill_rows)
     meta = AttentionMetadata(slot_mapping=tensors[slots_at], decode=decode, prefill=prefill)
+    if plan.other_groups:
+        # Each group's metadata names this one as the step's (`planned`), and this one lists them: set once, here.
+        groups = zip(group_sections, plan.other_groups, strict=True)
+        object.__setattr__(meta, "other_groups", tuple(_group_meta(meta, tensors, *group) for group in groups))
     inputs = StepInputs(tensors[ids_at], tensors[positions_at], meta, tensors[logits_at], sequences.sampling,
                         pooled=tuple(sequences.pooled))  # fmt: skip
     if scored_at is None:
@@ -219,6 +255,31 @@ def _add_prefill_sections(buffer: _HostBuffer, rows: list[PlanRow]) -> dict[str,
         "query_positions": buffer.add(query_positions, (len(rows), max_query)),
         "real": buffer.add(real),
     }
+
+
+def _add_group_sections(buffer: _HostBuffer, group: GroupPlan) -> dict[str, int]:
+    sections = {"slots": buffer.add(group.slots)}
+    for kind, pages in (("decode", group.decode_pages), ("prefill", group.prefill_pages)):
+        if pages:
+            table, shape = _block_table([PlanRow(0, 0, 0, row_pages) for row_pages in pages])
+            sections[kind] = buffer.add(table, shape)
+    return sections
+
+
+def _group_meta(first: AttentionMetadata, tensors, sections: dict[str, int], group: GroupPlan) -> AttentionMetadata:
+    """A KV group's metadata: the first group's rows, at its own slots and block tables."""
+    decode, prefill = first.decode, first.prefill
+    if decode is not None:
+        rows = _at_pages(decode.plan_rows, group.decode_pages)
+        decode = dataclasses.replace(decode, block_table=tensors[sections["decode"]], plan_rows=rows)
+    if prefill is not None:
+        rows = _at_pages(prefill.plan_rows, group.prefill_pages)
+        prefill = dataclasses.replace(prefill, block_table=tensors[sections["prefill"]], plan_rows=rows)
+    return AttentionMetadata(tensors[sections["slots"]], decode, prefill, planned=first)
+
+
+def _at_pages(rows: tuple[PlanRow, ...], pages: list[list[int]]) -> tuple[PlanRow, ...]:
+    return tuple(msgspec.structs.replace(row, pages=row_pages) for row, row_pages in zip(rows, pages, strict=True))
 
 
 def _decode_batch(tensors, sections: dict[str, int], rows: list[PlanRow]) -> DecodeBatch | None:

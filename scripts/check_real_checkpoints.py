@@ -7,6 +7,9 @@ sliding window several times, and a batch sharing a long prefix (prefix caching 
 defaults). tokend runs twice: on transformers' conversion, and on the GGUF file itself (its own conversion, its
 SentencePiece tokenizer rebuilt from the metadata, which must give transformers' ids for every prompt). It prints
 JSON (and writes it with --out): per prompt, its length, whether the tokens are equal, and where they first differ.
+Then a prompt four times the window runs alone, with Gemma 3's layers in KV groups (tokend's default) and in one
+block table (`disable_hybrid_kv_cache_manager`): the most KV bytes its pages take at once, read from the page pool
+after every step, against what its global layers' pages plus one window and a chunk per sliding group come to.
 
 Usage: python scripts/check_real_checkpoints.py [--tokens 32] [--out docs/benchmarks/real_checkpoints.json]
 Takes a few minutes on 2 cores: a 230 MB download once (cached), a conversion once, two engines' runs.
@@ -48,6 +51,10 @@ def _prompts() -> list[str]:
         long + "The most important consequence was",
         _TEXT * 40 + "Therefore,",  # about 1,700 tokens
     ]
+
+
+LONG_PROMPT = _TEXT * 50 + "To conclude,"  # about 2,100 tokens: four windows of 512
+CHUNK = 512  # max_num_batched_tokens of the long prompt's runs: its prompt computed in four chunks
 
 
 def _gguf(spec: dict) -> Path:
@@ -117,6 +124,42 @@ def _compare(model: Path, tokenizer, prompts: list[list[int]], expected: list[li
     return rows
 
 
+def _pages_held(model: Path, tokenizer, num_tokens: int) -> dict:
+    """LONG_PROMPT alone, in KV groups and in one block table: its tokens (equal to transformers' and to each other)
+    and the most KV bytes its pages took at once, measured from the page pool after every step."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_runtime.ipc.sampling_params import SamplingParams
+    from gpu_runtime.llm import LLM
+
+    ids = tokenizer(LONG_PROMPT).input_ids
+    with torch.inference_mode():
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=num_tokens, do_sample=False)[0, len(ids) :]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for name, one_table in (("kv_groups", False), ("one_block_table", True)):
+        with LLM(str(model), dtype="float32", max_num_batched_tokens=CHUNK,
+                 disable_hybrid_kv_cache_manager=one_table) as llm:  # fmt: skip
+            engine, tokens, most_pages = llm.engine, [], 0
+            engine.add_request("long", ids, params)
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    tokens += delta.new_token_ids
+                most_pages = max(most_pages, engine.kv.num_used_pages)
+            page_bytes = engine.memory.page_bytes
+            runs[name] = {
+                "group_windows": list(engine.kv.windows),
+                "most_pages_held": most_pages,
+                "most_kv_bytes_held": most_pages * page_bytes,
+                # global groups: every page of the sequence; sliding groups: one window and a chunk each
+                "bound_bytes": engine.kv.most_pages_held(len(ids) + num_tokens, CHUNK) * page_bytes,
+                "equal_to_transformers": tokens == want.tolist(),
+            }
+    ratio = runs["kv_groups"]["most_kv_bytes_held"] / runs["one_block_table"]["most_kv_bytes_held"]
+    return {"prompt_tokens": len(ids), "chunk": CHUNK, **runs, "kv_bytes_ratio": round(ratio, 3)}
+
+
 def _tokenized_alike(gguf: Path, prompts: list[list[int]]) -> list[bool]:
     """Whether the tokenizer tokend rebuilds from the file's metadata gives transformers' ids for each prompt."""
     from tokenizers import Tokenizer
@@ -148,7 +191,7 @@ def main() -> None:
         {"name": GEMMA3["name"], "package": GEMMA3["package"], "converted_by": by, "greedy_tokens": args.tokens,
          "prompts": rows, "all_equal": all(row["equal"] and row.get("tokenized_as_transformers", True) for row in rows)}
         for by, rows in checked.items()
-    ]}  # fmt: skip
+    ], "pages_held_four_windows": _pages_held(_converted(gguf), tokenizer, args.tokens)}  # fmt: skip
     text = json.dumps(report, indent=2, ensure_ascii=False)
     print(text)
     if args.out:

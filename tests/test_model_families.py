@@ -182,6 +182,33 @@ def test_a_windowed_sequence_holds_one_window_of_pages_and_still_equals_transfor
     assert engine.kv.num_used_pages == 0
 
 
+def test_gemma3_holds_its_global_layers_pages_and_one_window_for_its_sliding_layers(checkpoints):
+    """Gemma 3's layers in KV groups (two global layers, four sliding ones: three groups of two), prompts 4-8x the
+    window, one sequence at a time: after every step the pool's pages in use are at most the global group's pages of
+    the whole sequence plus one window and a chunk per sliding group (where one table for every layer would hold
+    three times the whole sequence), and the tokens are transformers'."""
+    model_dir, prompts = checkpoints("gemma3"), window_prompts(3)
+    expected = transformers_greedy(model_dir, prompts, NUM_REFERENCE_TOKENS)
+    llm = windowed_llm(model_dir, max_num_seqs=1)
+    engine = llm.engine
+    assert engine.kv.windows == (None, GEMMA_WINDOW, GEMMA_WINDOW)
+    for prompt, want in zip(prompts, expected, strict=True):
+        engine.add_request("r", prompt, GREEDY)
+        tokens, steps = [], []  # steps: (pages in use, tokens computed) after each step
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.new_token_ids
+            running = engine.scheduler.running
+            steps.append((engine.kv.num_used_pages, running[0].num_computed_tokens if running else 0))
+            engine.check_integrity()
+        assert tokens == want
+        assert all(used <= engine.kv.num_pages_for(computed) + 2 * pages_held_at_most(chunk=32)
+                   for used, computed in steps)  # fmt: skip
+        longest = engine.kv.num_pages_for(len(prompt) + NUM_REFERENCE_TOKENS)
+        assert max(used for used, _ in steps) < 2 * longest  # one table for all six layers: 3 x longest
+    assert engine.kv.num_used_pages == 0
+
+
 def test_windowed_sequences_run_together_in_a_pool_too_small_to_hold_them_whole(checkpoints):
     """Eight sequences at once in a pool with room for under half their full length: pages given back behind
     the window keep them all running (no preemption), and every output is still transformers'."""

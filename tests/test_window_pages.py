@@ -160,7 +160,7 @@ def test_a_request_longer_than_the_pool_runs_to_its_end_in_it():
 
 def scheduler_ready(window: int | None, max_prefill_chunk: int) -> SchedulerReady:
     """A scheduler of 8 pages of 4 tokens, as its hello tells the frontend."""
-    return SchedulerReady("m/0", "1", 1, "m", "/m", "0", 4096, 258, 8, PAGE, 1, b"", kv_window=window,
+    return SchedulerReady("m/0", "1", 1, "m", "/m", "0", 4096, 258, 8, PAGE, 1, b"", kv_windows=[window],
                           max_prefill_chunk=max_prefill_chunk)  # fmt: skip
 
 

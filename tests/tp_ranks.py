@@ -22,13 +22,14 @@ from safetensors.torch import save_file
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.ipc.sampling_params import SamplingParams
 from gpu_runtime.kv_cache.kv_pool import KVPool
+from gpu_runtime.memory_profile import kv_layout_of
 from gpu_runtime.model.config import load_model_config
 from gpu_runtime.model.cpu_weights import can_prepack, prepack_linears
-from gpu_runtime.model.llama import LlamaForCausalLM
+from gpu_runtime.model.llama import LlamaForCausalLM, place_kv_groups
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model.tensor_parallel import TensorParallel
 from gpu_runtime.scheduler import PrefillWork, SchedulerOutput
-from gpu_runtime.sequence import Sequence
+from gpu_runtime.sequence import BlockTable, Sequence
 from gpu_runtime.step_inputs import build_step_inputs
 
 CPU = torch.device("cpu")
@@ -46,18 +47,20 @@ def run_steps(model: LlamaForCausalLM, job: dict) -> list[torch.Tensor] | None:
     """Each sequence's prompt, then its continuation one decode at a time, through the model's forward as the engine
     runs a step (a flattened batch, decodes first; attention metadata from build_step_inputs; K/V written into and
     read back from the pages). Prompts go in chunks of job["chunk"] tokens, so later steps mix decodes with chunks
-    that read a cached prefix. Returns, per sequence, the logits of every position ([tokens, vocab], in position
-    order), on rank 0; None on the other ranks."""
+    that read a cached prefix. The pool is laid out in the model's KV groups, as the engine's (a hybrid model's: a
+    block table per group, every group's pages its own). Returns, per sequence, the logits of every position
+    ([tokens, vocab], in position order), on rank 0; None on the other ranks."""
     config = model.config  # the rank's own view: its KV heads only
     backend = model.attention_backend
+    layout = kv_layout_of(model)
+    place_kv_groups(model, layout)
     prompts, continuations, chunk = job["prompts"], job["continuations"], job["chunk"]
     pages_per_seq = [-(-(len(p) + len(c)) // PAGE_SIZE) for p, c in zip(prompts, continuations, strict=True)]
-    pool = KVPool(config, sum(pages_per_seq), PAGE_SIZE, torch.float32, CPU)
-    seqs, first_page = [], 0
+    pool = KVPool(config, sum(pages_per_seq) * layout.num_groups, PAGE_SIZE, torch.float32, CPU, layout)
+    seqs, free_pages = [], iter(range(pool.num_pages))
     for index, (prompt, pages) in enumerate(zip(prompts, pages_per_seq, strict=True)):
         seq = Sequence(f"seq-{index}", prompt, SamplingParams(), config.max_model_len, frozenset())
-        seq.page_ids = list(range(first_page, first_page + pages))
-        first_page += pages
+        seq.tables = [BlockTable([next(free_pages) for _ in range(pages)]) for _ in range(layout.num_groups)]
         seqs.append(seq)
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     while True:
@@ -72,7 +75,7 @@ def run_steps(model: LlamaForCausalLM, job: dict) -> list[torch.Tensor] | None:
                 step.decodes.append(seq)
         if step.is_empty:
             break
-        inputs = build_step_inputs(step, PAGE_SIZE, CPU)
+        inputs = build_step_inputs(step, PAGE_SIZE, CPU, layout.num_groups)
         backend.plan(inputs.meta)  # once per step, before the forward, as ModelRunner does
         hidden = model(inputs.input_ids, inputs.positions, pool.layers, inputs.meta)
         logits = model.compute_logits(hidden)  # every row, not just the sampling ones: all positions are compared

@@ -42,6 +42,9 @@ class AttentionBackend(ABC):
     buffers), and owns it. Then `forward` runs once per layer with that same metadata and the layer's options."""
 
     name: str
+    # Whether its forward reads a KV group's pages from the metadata it is given (a hybrid model's groups each have
+    # their own block table: AttentionMetadata.other_groups), rather than from buffers its plan filled.
+    reads_group_tables: bool = True
 
     @classmethod
     def create(cls, device: torch.device) -> AttentionBackend:
@@ -78,9 +81,9 @@ class AttentionBackend(ABC):
 
 
 def require_planned(state, meta: AttentionMetadata, backend: str):
-    """`state`, what a backend's plan derived, if it was derived from this step's `meta`; else RuntimeError (a
-    forward without its step's plan would read another step's masks)."""
-    if state is None or state.meta is not meta:
+    """`state`, what a backend's plan derived, if it was derived from this step's `meta` (any KV group's); else
+    RuntimeError (a forward without its step's plan would read another step's masks)."""
+    if state is None or state.meta is not meta.step:
         raise RuntimeError(f"attention backend {backend}: forward before plan(meta) for this step")
     return state
 

@@ -58,3 +58,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     decode: DecodeBatch | None = None  # the single-query rows
     prefill: PrefillBatch | None = None  # the prompt chunks
+    # A hybrid model's other KV groups (gpu_runtime/kv_cache/kv_groups.py): the same rows at their own pages (their
+    # block tables and slots), each planned as this one is (`planned`); empty where one group holds every layer.
+    other_groups: tuple[AttentionMetadata, ...] = ()
+    planned: AttentionMetadata | None = None  # the first group's metadata, which the backend's plan was given
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group `group`'s layers."""
+        return self if group == 0 else self.other_groups[group - 1]
+
+    @property
+    def step(self) -> AttentionMetadata:
+        """The metadata the backend planned this step with (a group's rows, masks and spans are the first group's)."""
+        return self.planned or self

@@ -58,18 +58,21 @@ class TorchPagedAttention(AttentionBackend):
 
     def __init__(self) -> None:
         self._step: StepSpans | None = None
+        self._group_spans: dict[int, tuple[SequenceSpan, ...]] = {}  # a hybrid model's other KV groups', by id(meta)
 
     def check_options(self, options: LayerAttentionOptions) -> None:
         pass  # it honours every option
 
     def plan(self, meta: AttentionMetadata) -> None:
         self._step = StepSpans.of(meta)
+        self._group_spans = {id(group): StepSpans.of(group).spans for group in meta.other_groups}
 
     def forward(self, q, k, v, k_pages, v_pages, meta: AttentionMetadata, options: LayerAttentionOptions):
         step = require_planned(self._step, meta, self.name)
+        spans = step.spans if meta is step.meta else self._group_spans[id(meta)]
         write_pages(k, v, k_pages, v_pages, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for span in step.spans:
+        for span in spans:
             rows = slice(span.query_start, span.query_start + span.query_len)
             if span.has_cached_prefix:
                 keys, values = _gather_context(k_pages, span), _gather_context(v_pages, span)

@@ -25,6 +25,7 @@ def _power_of_two_at_least(n: int, floor: int = 16) -> int:
 
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
+    reads_group_tables = False  # its plan copies the one block table into its kernels' buffers
 
     def __init__(self, device: torch.device, tuning: TritonTuning | None = None) -> None:
         self._kernels = _kernels_for(device)

@@ -173,9 +173,10 @@ class SchedulerReady(msgspec.Struct, frozen=True, tag="ready", forbid_unknown_fi
     # What its embeddings are (the defaults of an embedding request).
     pooling: ModelPooling = ModelPooling()
     generates: bool = True  # False: a base model's checkpoint without lm_head, which serves embeddings only
-    # What the pages a request holds at once depend on (gpu_runtime.kv_cache.page_budget): every layer's sliding
-    # window, if the model has one, and the most prompt tokens a step computes (0: prompts are computed whole).
-    kv_window: int | None = None
+    # What the pages a request holds at once depend on (gpu_runtime.kv_cache.page_budget): each KV group's sliding
+    # window (None: a global group; one group unless the model mixes both kinds), and the most prompt tokens a step
+    # computes (0: prompts are computed whole).
+    kv_windows: list[int | None] = msgspec.field(default_factory=lambda: [None])
     max_prefill_chunk: int = 0
 
 

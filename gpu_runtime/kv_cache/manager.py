@@ -7,21 +7,38 @@ from dataclasses import dataclass
 from gpu_runtime.kv_cache.page_allocator import PageAllocator
 from gpu_runtime.kv_cache.page_budget import pages_held_at_most
 from gpu_runtime.kv_cache.page_hashes import PageHasher
-from gpu_runtime.sequence import Sequence
+from gpu_runtime.sequence import BlockTable, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMatch:
+    """One KV group's cached pages for a prefix: with a window, those after its `num_skipped` first pages (behind the
+    window of the prefix's next position: not needed, nor held)."""
+
+    page_ids: list[int]
+    num_skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The cached pages a sequence may start from: the longest run of its leading full pages in the cache or, with a
-    window, the longest prefix whose last window is cached: its `num_skipped` first pages, behind that window, are
-    not needed (nor held)."""
+    """The cached pages a sequence may start from: the longest run of its leading full pages whose pages every KV
+    group needs are cached (all of them for a global group; with a window, those of the last window)."""
 
-    page_ids: list[int]  # the pages after the skipped ones, in order
-    hashes: list[bytes]  # theirs
-    num_skipped: int = 0
+    num_pages: int  # leading pages of the sequence it covers
+    groups: tuple[GroupMatch, ...]  # each group's pages for them
+    hashes: list[bytes]  # the first group's pages' hashes
+
+    @property
+    def page_ids(self) -> list[int]:
+        """The first group's pages (every layer's, unless the model is hybrid)."""
+        return self.groups[0].page_ids
+
+    @property
+    def num_skipped(self) -> int:
+        return self.groups[0].num_skipped
 
     def num_tokens(self, page_size: int) -> int:
-        return (self.num_skipped + len(self.page_ids)) * page_size
+        return self.num_pages * page_size
 
 
 class KVCacheManager:
@@ -30,13 +47,14 @@ class KVCacheManager:
     With prefix caching on, each sequence's page hashes are computed once, as its pages fill (hash_new_pages);
     every full page it computes is registered under its hash, a new sequence starts from the longest
     registered prefix of its tokens instead of recomputing it, and pages freed by finished sequences keep
-    their content until an allocation needs them. The manager writes a sequence's block table (page_ids,
+    their content until an allocation needs them. The manager writes a sequence's block tables (page_ids,
     num_registered_pages); how many of its tokens are computed is the scheduler's to say.
 
-    With a `window` (every layer of the model attends over its last `window` positions only: Mistral 7B v0.1,
-    Phi-3-mini-4k) a page whose tokens have all left the window is never read again: release_behind_window gives
-    it back as the sequence moves on, so a long sequence holds one window's pages (plus the step's), not its whole
-    length. A model with any full-attention layer has no window here: every page stays until the sequence ends.
+    A group with a `window` (its layers attend over their last `window` positions only: every layer of Mistral 7B
+    v0.1 and Phi-3-mini-4k, the sliding layers of Gemma 2 and 3) never reads a page again once its tokens have all
+    left the window: release_behind_window gives it back as the sequence moves on, so a long sequence holds one
+    window's pages in that group (plus the step's), not its whole length. `windows` has one entry per KV group
+    (gpu_runtime/kv_cache/kv_groups.py), each group's block table drawn from the one pool; one group by default.
     """
 
     def __init__(
@@ -46,14 +64,24 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
         window: int | None = None,
+        windows: tuple[int | None, ...] | None = None,
     ):
         self.page_size = page_size
-        self.window = window
+        self.windows = windows if windows is not None else (window,)
         self.allocator = PageAllocator(num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = PageHasher(page_size, salt)
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of which found cached
+
+    @property
+    def window(self) -> int | None:
+        """The window of a model whose layers all slide (one group); None otherwise."""
+        return self.windows[0] if len(self.windows) == 1 else None
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_pages(self) -> int:
@@ -76,10 +104,10 @@ class KVCacheManager:
         return self.most_pages_held(num_tokens, max_chunk) <= self.allocator.num_pages
 
     def most_pages_held(self, num_tokens: int, max_chunk: int) -> int:
-        """The most pages a sequence of `num_tokens` holds at once: all of them, or with a window the pages from its
-        window's oldest position to the end of a step's chunk (admission included: find_cached_prefix skips the
-        pages behind the window)."""
-        return pages_held_at_most(num_tokens, self.page_size, self.window, max_chunk)
+        """The most pages a sequence of `num_tokens` holds at once, its groups' together: all of its pages in a global
+        group, and in a windowed one those from its window's oldest position to the end of a step's chunk (admission
+        included: find_cached_prefix skips the pages behind the window)."""
+        return pages_held_at_most(num_tokens, self.page_size, self.windows, max_chunk)
 
     # -- hashing --------------------------------------------------------------------------------------
 
@@ -92,6 +120,11 @@ class KVCacheManager:
             window = seq.token_ids_range(first_unhashed, seq.num_tokens)
             self.hasher.extend(seq.page_hashes, window, seq.cache_salt)
 
+    def _key(self, content_hash: bytes, group: int) -> bytes:
+        """The prefix cache's key for a page of `group` holding that content (the first group's: the hash itself, the
+        one pages handed between workers are named by)."""
+        return content_hash if group == 0 else content_hash + group.to_bytes(2, "little")
+
     # -- admission ------------------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> PrefixMatch:
@@ -99,116 +132,146 @@ class KVCacheManager:
         one token is left to compute, whose step yields the next token's logits); changes nothing. With a window,
         only the pages the next query sees must be cached (the ones behind it are evicted first, being older)."""
         hashes = seq.page_hashes[: seq.num_reusable_tokens // self.page_size]
-        if self.window is None or not self.enable_prefix_caching:
+        if not self.enable_prefix_caching:
+            return self._match(0, [[] for _ in self.windows], [])
+        if self.windows == (None,):
             return self.lookup(hashes)
-        return self._lookup_window(hashes)
-
-    def _lookup_window(self, hashes: list[bytes]) -> PrefixMatch:
-        """The longest leading run of `hashes` whose pages from its window's oldest position on are all cached (a
-        page's hash chains every token before it, so a cached page is this very prefix's)."""
-        pages = [self.allocator.lookup(content_hash) for content_hash in hashes]
-        best = run = 0  # the longest usable prefix in pages; the cached pages ending at the current one
-        for end, page in enumerate(pages, start=1):
-            run = run + 1 if page is not None else 0
-            if run >= max(end - self._first_visible_page(end * self.page_size), 1):
+        pages = [[self.allocator.lookup(self._key(h, group)) for h in hashes] for group in range(self.num_groups)]
+        best = 0  # the longest prefix (in pages) whose needed pages every group has cached
+        runs = [0] * self.num_groups  # per group, the cached pages ending at the current one
+        for end in range(1, len(hashes) + 1):
+            for group, group_pages in enumerate(pages):
+                runs[group] = runs[group] + 1 if group_pages[end - 1] is not None else 0
+            if all(run >= self._pages_needed(end, window) for run, window in zip(runs, self.windows, strict=True)):
                 best = end
-        first = self._first_visible_page(best * self.page_size) if best else 0
-        return PrefixMatch(pages[first:best], hashes[first:best], num_skipped=first)
+        return self._match(best, pages, hashes)
 
-    def _first_visible_page(self, position: int) -> int:
+    def _pages_needed(self, num_pages: int, window: int | None) -> int:
+        """The last pages of a `num_pages`-page prefix a group must have cached to continue from it: all of them,
+        or with a window those its next query sees (at least one)."""
+        if window is None:
+            return num_pages
+        return max(num_pages - self._first_visible_page(num_pages * self.page_size, window), 1)
+
+    def _match(self, num_pages: int, pages: list[list[int | None]], hashes: list[bytes]) -> PrefixMatch:
+        groups = []
+        for group_pages, window in zip(pages, self.windows, strict=True):
+            skipped = self._first_visible_page(num_pages * self.page_size, window) if window and num_pages else 0
+            groups.append(GroupMatch(group_pages[skipped:num_pages], skipped))
+        return PrefixMatch(num_pages, tuple(groups), hashes[groups[0].num_skipped : num_pages])
+
+    def _first_visible_page(self, position: int, window: int) -> int:
         """The page holding the oldest position a query at `position` sees (with a window)."""
-        return max(position - self.window + 1, 0) // self.page_size
+        return max(position - window + 1, 0) // self.page_size
 
     def lookup(self, hashes: list[bytes]) -> PrefixMatch:
-        """The cached pages of the longest leading run of `hashes`; changes nothing."""
-        if not self.enable_prefix_caching:
-            return PrefixMatch([], [])
+        """The cached pages of the longest leading run of `hashes`, as a KV handover or a migration moves them: one
+        block table's, so none where the model's layers are split into groups (their prompt is computed again where
+        it goes); changes nothing."""
         pages = []
-        for content_hash in hashes:
+        for content_hash in hashes if self.enable_prefix_caching and self.num_groups == 1 else []:
             page = self.allocator.lookup(content_hash)
             if page is None:
                 break
             pages.append(page)
-        return PrefixMatch(pages, hashes[: len(pages)])
+        return PrefixMatch(len(pages), (GroupMatch(pages),), hashes[: len(pages)])
 
     def try_admit(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> bool:
-        """Gives `seq` its cached prefix plus fresh pages up to `num_tokens`; False (and no change) if short."""
-        revived = sum(1 for page in match.page_ids if self.allocator.is_evictable(page))
-        fresh = self.num_pages_for(num_tokens) - match.num_skipped - len(match.page_ids)
-        if fresh + revived > self.allocator.num_free_pages:
+        """Gives `seq` its cached prefix plus fresh pages up to `num_tokens`, in every group; False (and no change) if
+        short."""
+        needed = 0
+        for group in match.groups:
+            revived = sum(1 for page in group.page_ids if self.allocator.is_evictable(page))
+            needed += revived + max(self.num_pages_for(num_tokens) - group.num_skipped - len(group.page_ids), 0)
+        if needed > self.allocator.num_free_pages:
             return False
-        for page in match.page_ids:  # share first, so the allocation below cannot evict them
-            self.allocator.share(page)
-        held = match.page_ids + self.allocator.allocate(max(fresh, 0))
-        seq.page_ids = held[:1] * match.num_skipped + held  # skipped entries name a page it holds, as released ones
-        seq.num_released_pages = match.num_skipped
-        seq.num_registered_pages = match.num_skipped + len(match.page_ids)
+        for group in match.groups:  # share first, so the allocations below cannot evict them
+            for page in group.page_ids:
+                self.allocator.share(page)
+        seq.tables = [self._admitted_table(group, match.num_pages, num_tokens) for group in match.groups]
         if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)
         return True
 
+    def _admitted_table(self, group: GroupMatch, num_cached_pages: int, num_tokens: int) -> BlockTable:
+        fresh = self.num_pages_for(num_tokens) - group.num_skipped - len(group.page_ids)
+        held = group.page_ids + self.allocator.allocate(max(fresh, 0))
+        # Skipped entries name a page it holds, as released ones do.
+        return BlockTable(held[:1] * group.num_skipped + held, num_cached_pages, group.num_skipped)
+
     def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grows `seq`'s block table to cover `num_tokens` tokens; False (and no change) if pages lack."""
-        missing = self.num_pages_for(num_tokens) - len(seq.page_ids)
-        if missing <= 0:
-            return True
-        if not self.allocator.can_allocate(missing):
+        """Grows `seq`'s block tables to cover `num_tokens` tokens; False (and no change) if pages lack."""
+        wanted = self.num_pages_for(num_tokens)
+        missing = [max(wanted - len(table.page_ids), 0) for table in seq.tables]
+        if not self.allocator.can_allocate(sum(missing)):
             return False
-        seq.page_ids.extend(self.allocator.allocate(missing))
+        for table, count in zip(seq.tables, missing, strict=True):
+            table.page_ids.extend(self.allocator.allocate(count))
         return True
 
     # -- after a step -----------------------------------------------------------------------------------
 
     def commit_full_pages(self, seq: Sequence) -> None:
-        """Registers every page `seq` has filled with computed tokens since the last call."""
+        """Registers every page `seq` has filled with computed tokens since the last call, in every group."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.page_size, len(seq.page_hashes))
-        for index in range(seq.num_registered_pages, num_full):
-            self.allocator.register(seq.page_ids[index], seq.page_hashes[index])
-        seq.num_registered_pages = max(seq.num_registered_pages, num_full)
+        for group, table in enumerate(seq.tables):
+            for index in range(table.num_registered_pages, num_full):
+                self.allocator.register(table.page_ids[index], self._key(seq.page_hashes[index], group))
+            table.num_registered_pages = max(table.num_registered_pages, num_full)
 
     def release_behind_window(self, seq: Sequence) -> None:
-        """Gives back the pages of `seq` that no query of it will read again: with a window, those whose tokens all
-        lie before the window of its next position (num_computed_tokens). Call it after commit_full_pages: a
-        released full page goes to the prefix cache, as a finished sequence's pages do."""
-        if self.window is None:
-            return
-        # The pages before the one the next query's window starts in; never the last (its successor may not be
-        # reserved yet).
-        behind = min(self._first_visible_page(seq.num_computed_tokens), len(seq.page_ids) - 1)
-        if behind <= seq.num_released_pages:
-            return
-        released = seq.page_ids[seq.num_released_pages : behind]
-        self.allocator.free(released)
-        seq.page_ids[:behind] = [seq.page_ids[behind]] * behind  # every released entry names a page it holds
-        seq.num_released_pages = behind
+        """Gives back the pages of `seq` that no query of it will read again: in a group with a window, those whose
+        tokens all lie before the window of its next position (num_computed_tokens). Call it after
+        commit_full_pages: a released full page goes to the prefix cache, as a finished sequence's pages do."""
+        for table, window in zip(seq.tables, self.windows, strict=True):
+            if window is None:
+                continue
+            # The pages before the one the next query's window starts in; never the last (its successor may not be
+            # reserved yet).
+            behind = min(self._first_visible_page(seq.num_computed_tokens, window), len(table.page_ids) - 1)
+            if behind <= table.num_released_pages:
+                continue
+            self.allocator.free(table.page_ids[table.num_released_pages : behind])
+            table.page_ids[:behind] = [table.page_ids[behind]] * behind  # every released entry names a held page
+            table.num_released_pages = behind
 
     def release(self, seq: Sequence) -> None:
         """Returns every page `seq` holds. Freed last page first, so a prefix's head stays cached longest."""
-        self.allocator.free(held_pages(seq)[::-1])
-        seq.page_ids = []
-        seq.num_registered_pages = 0
-        seq.num_released_pages = 0
+        for table in seq.tables:
+            self.allocator.free(table_pages_held(table)[::-1])
+        seq.tables = [BlockTable() for _ in seq.tables]
 
     # -- checks -----------------------------------------------------------------------------------------
 
     def check_integrity(self, sequences: list[Sequence], pinned: list[list[int]] = ()) -> None:
-        """Every page is free, cached or owned, and reference counts equal the owners: the sequences, and `pinned`
-        page lists (leases) (AssertionError if not)."""
-        self.allocator.check_integrity([held_pages(seq) for seq in sequences] + list(pinned))
+        """Every page is free, cached or owned, and reference counts equal the owners: the sequences' tables, and
+        `pinned` page lists (leases) (AssertionError if not)."""
+        owners = [table_pages_held(table) for seq in sequences for table in seq.tables]
+        self.allocator.check_integrity(owners + list(pinned))
         for seq in sequences:
-            assert seq.num_registered_pages <= len(seq.page_ids), f"{seq.request_id} registered pages it lacks"
-            assert seq.num_released_pages <= max(len(seq.page_ids) - 1, 0), f"{seq.request_id} released every page"
-            if seq.num_released_pages:
-                assert self.window is not None, f"{seq.request_id} released pages without a window"
-                visible = self._first_visible_page(seq.num_computed_tokens)
-                assert seq.num_released_pages <= visible, f"{seq.request_id} released a visible page"
-            assert len(seq.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{seq.request_id} lost pages"
+            assert len(seq.tables) in (1, self.num_groups), f"{seq.request_id} has {len(seq.tables)} block tables"
+            for table, window in zip(seq.tables, self.windows, strict=False):
+                self._check_table(seq, table, window)
             assert len(seq.page_hashes) <= seq.num_tokens // self.page_size, f"{seq.request_id} hashed a partial page"
+
+    def _check_table(self, seq: Sequence, table: BlockTable, window: int | None) -> None:
+        name = seq.request_id
+        assert table.num_registered_pages <= len(table.page_ids), f"{name} registered pages it lacks"
+        assert table.num_released_pages <= max(len(table.page_ids) - 1, 0), f"{name} released every page"
+        if table.num_released_pages:
+            assert window is not None, f"{name} released pages without a window"
+            visible = self._first_visible_page(seq.num_computed_tokens, window)
+            assert table.num_released_pages <= visible, f"{name} released a visible page"
+        assert len(table.page_ids) >= self.num_pages_for(seq.num_computed_tokens), f"{name} lost pages"
 
 
 def held_pages(seq: Sequence) -> list[int]:
-    """The pages `seq` owns: its block table past the pages it released behind its window."""
-    return seq.page_ids[seq.num_released_pages :]
+    """The pages `seq` owns, in every group: each block table past the pages it released behind its window."""
+    return [page for table in seq.tables for page in table_pages_held(table)]
+
+
+def table_pages_held(table: BlockTable) -> list[int]:
+    return table.page_ids[table.num_released_pages :]

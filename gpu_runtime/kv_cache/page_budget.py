@@ -3,15 +3,18 @@ against before they reach a scheduler (no imports: the frontend process reads it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def pages_held_at_most(num_tokens: int, page_size: int, window: int | None, max_chunk: int) -> int:
-    """The most pages a sequence of `num_tokens` tokens holds at once when a step computes at most `max_chunk` of them:
-    all of its pages, or where every layer slides over `window` positions, those from its window's oldest position to
-    the end of a step's chunk (pages behind the window are given back, and skipped by a prefix-cache hit)."""
+
+def pages_held_at_most(num_tokens: int, page_size: int, windows: Sequence[int | None], max_chunk: int) -> int:
+    """The most pages a sequence of `num_tokens` tokens holds at once when a step computes at most `max_chunk` of them,
+    its KV groups' together (`windows`: each group's; one group unless the model mixes sliding and global layers):
+    all of its pages in a global group, and in a group whose layers slide over a window, those from its window's
+    oldest position to the end of a step's chunk (pages behind the window are given back, and skipped by a
+    prefix-cache hit)."""
     whole = -(-num_tokens // page_size)
-    if window is None:
-        return whole
-    return min(whole, -(-(window - 1 + max_chunk) // page_size) + 1)
+    return sum(whole if window is None else min(whole, -(-(window - 1 + max_chunk) // page_size) + 1)
+               for window in windows)  # fmt: skip
 
 
 def largest_chunk(num_prompt_tokens: int, max_prefill_chunk: int) -> int:

@@ -52,6 +52,8 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
     evicted like any other cached page. Raises ValueError if the export does not fit this pool (page size, or not
     enough free pages).
     """
+    if kv.num_groups > 1:  # its pages are per group: an export names one block table's (KVCacheManager.lookup)
+        return 0
     if export.page_size != kv.page_size:
         raise ValueError(f"page_size: export has {export.page_size}, this pool {kv.page_size}")
     allocator = kv.allocator

@@ -10,6 +10,7 @@ from torch import nn
 
 from gpu_runtime.attention.backend import AttentionBackend, LayerAttentionOptions
 from gpu_runtime.attention.metadata import AttentionMetadata
+from gpu_runtime.kv_cache.kv_groups import KVLayout
 from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.embedding import unfilled_embedding
 from gpu_runtime.model.rope import RotaryEmbedding, apply_rotary
@@ -63,6 +64,7 @@ class Attention(nn.Module):
         backend.check_options(self.options)
         self.backend = backend
         self.tp = tp
+        self.kv_group = 0  # whose block table holds its pages (place_kv_groups; one group unless the model is hybrid)
 
     def forward(self, x, rotation, k_pages, v_pages, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -71,6 +73,7 @@ class Attention(nn.Module):
         qk = apply_rotary(self.normed(qk), *rotation)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        meta = meta.of_group(self.kv_group)
         out = self.o_proj(self.backend.forward(q, k, v, k_pages, v_pages, meta, self.options).flatten(1))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -90,11 +93,20 @@ def window_options(config: ModelConfig) -> LayerAttentionOptions | None:
     return LayerAttentionOptions(scale=config.head_dim**-0.5, sliding_window=window)
 
 
-def kv_window(model: nn.Module) -> int | None:
-    """The positions back from a query that any layer of `model` reads: the widest window when every attention layer
-    slides (Mistral 7B v0.1, Phi-3-mini-4k), None when some layer reads the whole context (or there is none)."""
-    windows = [module.options.sliding_window for module in model.modules() if isinstance(module, Attention)]
-    return None if not windows or None in windows else max(windows)
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention modules, in layer order."""
+    return [module for module in model.modules() if isinstance(module, Attention)]
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window (None: it reads the whole context), in layer order."""
+    return [module.options.sliding_window for module in attention_layers(model)]
+
+
+def place_kv_groups(model: nn.Module, layout: KVLayout) -> None:
+    """Tells each attention layer its KV group under `layout` (which block table its pages are in)."""
+    for module, group in zip(attention_layers(model), layout.group_of_layer(), strict=True):
+        module.kv_group = group
 
 
 class MLP(nn.Module):

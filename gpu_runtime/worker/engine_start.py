@@ -13,6 +13,7 @@ import os
 import msgspec
 import torch
 
+from common.lanes import Role
 from gpu_runtime.engine_config import EngineConfig
 from gpu_runtime.worker.spec import WorkerSpec
 
@@ -26,8 +27,11 @@ DEVICE_START_ERRORS = (RuntimeError, AssertionError)
 
 
 def engine_config_on_device(spec: WorkerSpec) -> EngineConfig:
-    """The engine config to start with, after making its CUDA device the current one (set_device)."""
+    """The engine config to start with, after making its CUDA device the current one (set_device). A prefill or
+    decode worker keeps one block table for every layer: its KV handover moves one table's pages."""
     config = spec.engine
+    if spec.role is not Role.MIXED:
+        config = msgspec.structs.replace(config, disable_hybrid_kv_cache_manager=True)
     if not config.device.startswith("cuda"):
         return config
     if os.environ.get(TEST_CUDA_AS_CPU) == "1":

@@ -296,7 +296,7 @@ class SchedulerLoop:
             tool_call_parser=engine.config.tool_call_parser,
             pooling=engine.pooling,
             generates=engine.model_config.generates,
-            kv_window=engine.kv.window,
+            kv_windows=list(engine.kv.windows),
             max_prefill_chunk=engine.max_prefill_chunk,
         )
 

@@ -10,7 +10,7 @@ from frontend.tool_calls.messages import template_message
 from gpu_runtime.ipc.enums import Priority
 from gpu_runtime.ipc.messages import SchedulerReady
 from gpu_runtime.ipc.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
-from gpu_runtime.kv_cache.page_budget import largest_chunk, pages_held_at_most
+from gpu_runtime.kv_cache.page_budget import largest_chunk, most_tokens_held, pages_held_at_most
 from tokend.v1 import tokend_pb2 as pb
 
 MAX_STOP_STRINGS = 8
@@ -75,8 +75,10 @@ def prepare(request: pb.GenerateRequest, model: SchedulerReady, token_ids: list[
         raise no_room(field, len(token_ids), model)
     fill_to = None
     if request.sampling.fill_context and not request.sampling.HasField("max_tokens"):
-        # As much as the context allows, and never more than the whole KV cache can hold.
-        fill_to = max(1, min(room, model.num_pages * model.page_size - len(token_ids)))
+        # As much as the context allows, and never more than the whole KV cache can hold (in every KV group).
+        chunk = largest_chunk(len(token_ids), model.max_prefill_chunk)
+        most = most_tokens_held(model.num_pages, model.page_size, model.kv_windows, chunk)
+        fill_to = max(1, min(room, most - len(token_ids)))
     params, stop = _sampling_params(request.sampling, fill_to, model)
     if params.max_tokens > room:
         raise invalid(

@@ -53,7 +53,7 @@ def _prompts() -> list[str]:
     ]
 
 
-LONG_PROMPT = _TEXT * 50 + "To conclude,"  # about 2,100 tokens: four windows of 512
+LONG_PROMPT = _TEXT * 50 + "To conclude,"  # 2,304 tokens: four and a half windows of 512
 CHUNK = 512  # max_num_batched_tokens of the long prompt's runs: its prompt computed in four chunks
 
 

@@ -108,7 +108,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def kv_bytes_for(model_dir, page_size: int, num_pages: int) -> int:
-    """The kv_cache_bytes budget that buys exactly `num_pages` pages of float32 K/V for this checkpoint."""
+    """The kv_cache_bytes budget that buys exactly `num_pages` pages of float32 K/V for this checkpoint (pages of every
+    layer: a hybrid model, in KV groups, gets more pages of fewer layers each for it)."""
     from gpu_runtime.kv_cache.kv_pool import page_bytes
     from gpu_runtime.model.config import load_model_config
 

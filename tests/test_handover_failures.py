@@ -161,13 +161,17 @@ def _cache_prompt_pages(engine: FakeEngine, salt: str) -> None:
     engine.kv.release(seq)
 
 
-@pytest.mark.parametrize("why", ["cached here", "other contents", "no prefix cache"])
+@pytest.mark.parametrize("why", ["cached here", "other contents", "no prefix cache", "kv groups"])
 def test_a_lease_the_decode_worker_takes_no_page_of_is_released_at_once(monkeypatch, why):
+    """ "kv groups": a mixed worker of a hybrid model (its pages hold one group's layers each), to which admission
+    routed a handed-over request: it computes the prompt itself rather than pull pages it cannot use."""
     handover, engine, message = _decode_side(monkeypatch, salt="tenant-b" if why == "other contents" else "tenant-a")
     if why == "cached here":
         _cache_prompt_pages(engine, "tenant-a")
     if why == "no prefix cache":
         engine.config.enable_prefix_caching = False
+    if why == "kv groups":
+        engine.kv = KVCacheManager(NUM_PAGES, PAGE_SIZE, windows=(None, 4))
     admitted = []
     assert handover.add(message, admit=lambda m: admitted.append(m) or []) == []
     assert admitted == [message] and not handover.has_pending  # admitted now: nothing to wait for

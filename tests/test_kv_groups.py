@@ -38,6 +38,14 @@ def test_gemma3_270m_is_six_groups_of_three_layers_with_the_global_group_first()
     )  # each place once
 
 
+def test_gemma3_4b_is_seven_groups_of_five_the_last_of_four():
+    """5 global and 29 sliding layers: groups the size of the rarest kind (vLLM's), not 34 groups of one layer."""
+    layout = kv_layout([None if (layer + 1) % 6 == 0 else 1024 for layer in range(34)])
+    assert [len(group.layers) for group in layout.groups] == [5, 5, 5, 5, 5, 5, 4]
+    assert layout.windows == (None, *[1024] * 6) and layout.layers_per_group == 5
+    assert sorted(layout.slot_of_layer()) == sorted([*range(5)] * 6 + [*range(4)])  # the last group's fifth unused
+
+
 @pytest.mark.parametrize(
     ("windows", "expected"),
     [
@@ -52,7 +60,8 @@ def test_layers_are_grouped_by_how_far_they_read(windows, expected):
 
 
 def test_without_hybrid_groups_every_layer_shares_one_table_that_keeps_every_page():
-    """A backend whose plan copies one block table (triton) gets one group, as a global model."""
+    """Hybrid groups off (a backend whose plan copies one block table, a prefill or decode worker: which ones is
+    tests/test_model_families.py's) is one group, as a global model."""
     assert kv_layout(GEMMA3_270M, hybrid=False) == KVLayout.single(18)
 
 
@@ -130,3 +139,16 @@ def test_prefill_and_decode_workers_keep_one_block_table_for_their_handover(role
     spec = WorkerSpec(worker_id="m/0", group="cpu", input_address="", output_address="", heartbeat_path="",
                       secret_path="", engine=EngineConfig(device="cpu"), role=role)  # fmt: skip
     assert engine_config_on_device(spec).disable_hybrid_kv_cache_manager is not hybrid
+
+
+def test_a_request_filling_the_context_is_capped_at_what_every_group_can_hold():
+    """fill_context (the OpenAI chat default without max_tokens) on a hybrid model whose pool cannot hold a whole
+    context: capped at the longest sequence whose pages in every group fit the pool, then served (before, it was
+    capped at pages x page_size, which the sliding groups' share made too long, and refused)."""
+    ready = msgspec.structs.replace(scheduler_ready(None, CHUNK), num_pages=40, kv_windows=list(WINDOWS))
+    request = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(fill_context=True))
+    prepared = prepare(request, ready, list(range(10)))
+    longest = 10 + prepared.sampling.max_tokens
+    kv = KVCacheManager(40, PAGE, windows=WINDOWS)
+    assert kv.most_pages_held(longest, CHUNK) <= 40 < kv.most_pages_held(longest + PAGE, CHUNK)
+    assert longest == (40 - 2 * 6) * PAGE  # the global group's pages: what the two windows leave

@@ -34,7 +34,9 @@ from tp_ranks import run_steps
 from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.attention.backend import make_attention_backend
 from gpu_runtime.kv_cache.kv_pool import page_bytes
+from gpu_runtime.memory_profile import kv_layout_of
 from gpu_runtime.model.config import load_model_config
+from gpu_runtime.model.llama import place_kv_groups
 from gpu_runtime.model.loader import load_model, safetensors_files
 from gpu_runtime.model.moe import SparseMoeBlock
 from gpu_runtime.model.qwen3 import QKNormAttention
@@ -368,6 +370,23 @@ def test_gemma_layers_alternate_windows_scales_and_rotations(checkpoints):
     assert {layer.self_attn.options.logit_softcap for layer in model.layers} == {None}  # Gemma 3 caps no scores
     assert model.rotary.rope.rope_type == "linear" and model.local_rotary.rope.theta == 10000.0
     assert all(isinstance(layer.self_attn, QKNormAttention) for layer in model.layers)
+
+
+@pytest.mark.parametrize(("reads_group_tables", "hybrid", "windows"), [
+    (True, True, (None, GEMMA_WINDOW, GEMMA_WINDOW)),
+    (False, True, (None,)),  # a backend whose plan copies one block table (triton's)
+    (True, False, (None,)),  # disable_hybrid_kv_cache_manager, or a prefill or decode worker
+])  # fmt: skip
+def test_gemma3_is_laid_out_in_kv_groups_where_its_backend_reads_them(checkpoints, reads_group_tables, hybrid,
+                                                                      windows):  # fmt: skip
+    backend = make_attention_backend("torch", CPU)
+    backend.reads_group_tables = reads_group_tables
+    model = load_model(checkpoints("gemma3"), load_model_config(checkpoints("gemma3")), backend, torch.float32, CPU)
+    layout = kv_layout_of(model, hybrid)
+    assert layout.windows == windows
+    place_kv_groups(model, layout)
+    groups = [layer.self_attn.kv_group for layer in model.layers]
+    assert groups == ([1, 1, 0, 2, 2, 0] if len(windows) > 1 else [0] * 6)  # the global layers' group first
 
 
 def _config_dir(tmp_path, raw: dict):

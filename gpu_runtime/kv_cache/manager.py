@@ -179,6 +179,7 @@ class KVCacheManager:
     def try_admit(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> bool:
         """Gives `seq` its cached prefix plus fresh pages up to `num_tokens`, in every group; False (and no change) if
         short."""
+        assert len(match.groups) == self.num_groups, "a match from find_cached_prefix (lookup's is the first group's)"
         needed = 0
         for group in match.groups:
             revived = sum(1 for page in group.page_ids if self.allocator.is_evictable(page))
@@ -239,9 +240,11 @@ class KVCacheManager:
             table.num_released_pages = behind
 
     def release(self, seq: Sequence) -> None:
-        """Returns every page `seq` holds. Freed last page first, so a prefix's head stays cached longest."""
-        for table in seq.tables:
-            self.allocator.free(table_pages_held(table)[::-1])
+        """Returns every page `seq` holds. Freed last position first, every group's page at a position together, so
+        a prefix's head stays cached longest in every group (a hit needs each group's pages for it)."""
+        held = [(index, page) for table in seq.tables for index, page in enumerate(table.page_ids)
+                if index >= table.num_released_pages]  # fmt: skip
+        self.allocator.free([page for _, page in sorted(held, key=lambda item: -item[0])])
         seq.tables = [BlockTable() for _ in seq.tables]
 
     # -- checks -----------------------------------------------------------------------------------------
@@ -252,9 +255,15 @@ class KVCacheManager:
         owners = [table_pages_held(table) for seq in sequences for table in seq.tables]
         self.allocator.check_integrity(owners + list(pinned))
         for seq in sequences:
-            assert len(seq.tables) in (1, self.num_groups), f"{seq.request_id} has {len(seq.tables)} block tables"
-            for table, window in zip(seq.tables, self.windows, strict=False):
+            holds = any(table.page_ids for table in seq.tables)
+            assert len(seq.tables) == self.num_groups or not holds, f"{seq.request_id}: {len(seq.tables)} tables"
+            held = [page for table in seq.tables for page in table_pages_held(table)]
+            assert len(set(held)) == len(held), f"{seq.request_id} holds a page twice (in two groups?)"
+            for group, (table, window) in enumerate(zip(seq.tables, self.windows, strict=False)):
                 self._check_table(seq, table, window)
+                for index in range(table.num_released_pages, table.num_registered_pages):
+                    key = self.allocator.hash_of(table.page_ids[index])  # None: the content was cached elsewhere
+                    assert key in (None, self._key(seq.page_hashes[index], group)), f"{seq.request_id}: mis-hashed"
             assert len(seq.page_hashes) <= seq.num_tokens // self.page_size, f"{seq.request_id} hashed a partial page"
 
     def _check_table(self, seq: Sequence, table: BlockTable, window: int | None) -> None:

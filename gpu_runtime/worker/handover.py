@@ -122,8 +122,9 @@ class Handover:
 
     def _missing_pages(self, message: AddRequest, params: KVTransferParams) -> tuple[list[bytes], list[int]]:
         """The prompt's page hashes here, and the positions of the leased pages to pull: those not cached here
-        already; none when the leased pages cannot serve here (no prefix cache to put them in, or other contents)."""
-        if not self.engine.config.enable_prefix_caching:
+        already; none when the leased pages cannot serve here (no prefix cache to put them in, or other contents, or
+        a pool in KV groups, whose pages hold one group's layers each: a mixed worker of a hybrid model)."""
+        if not self.engine.config.enable_prefix_caching or self.engine.kv.num_groups > 1:
             return [], []
         own = self.engine.kv.hasher.hash_tokens(message.prompt_token_ids[: params.remote_num_tokens],
                                                 message.cache_salt)  # fmt: skip

@@ -60,23 +60,25 @@ def test_eight_concurrent_greedy_streams_equal_the_engine_and_transformers(daemo
 
 
 def test_tokens_arrive_as_they_are_decoded_not_at_the_end(daemon):
-    """A long generation, so that decoding, not the first token's wait, takes most of the stream's time even on
-    a loaded machine: its tokens must arrive spread over that time, not in a burst at the end."""
+    """A long generation: its tokens must arrive spread over the decoding, not in a burst at the end. Measured from
+    the first chunk, not from the request: on a loaded machine the first token's wait alone once took a third of the
+    stream (0.48 s of 1.35 s) while the 768 tokens still streamed evenly; a stream held back to its end would have its
+    first chunk come with the last."""
     request = pb.GenerateRequest(
         prompt="stream me", sampling=pb.SamplingParams(max_tokens=768, temperature=0, ignore_eos=True)
     )
     sent, chunks = _stream_timed(daemon, request)
     arrivals = [at for at, _ in chunks]
-    total = arrivals[-1] - sent
+    total, decoding = arrivals[-1] - sent, arrivals[-1] - arrivals[0]
     assert len(chunks) >= 768 // 4
-    assert arrivals[0] - sent < 0.25 * total, "the first token must arrive long before the last"
+    assert decoding > 0.25 * total, "the first token must arrive long before the last"
     halfway = sum(len(chunk.token_ids) for _, chunk in chunks) // 2
     tokens_seen, halfway_at = 0, None
     for at, chunk in chunks:
         tokens_seen += len(chunk.token_ids)
         if halfway_at is None and tokens_seen >= halfway:
             halfway_at = at
-    assert 0.2 * total < halfway_at - sent < 0.9 * total, "half the tokens must arrive well inside the stream"
+    assert 0.2 * decoding < halfway_at - arrivals[0] < 0.8 * decoding, "half the tokens must arrive mid-stream"
 
 
 def test_chunk_texts_concatenate_to_the_full_decode(daemon):

@@ -119,11 +119,10 @@ def plan_step(step: SchedulerOutput, page_size: int, num_groups: int = 1) -> tup
     sampling, scored = sequences.sampling, sequences.scored
     for seq in step.decodes:
         position = seq.num_computed_tokens
-        page = seq.page_ids[position // page_size]
         decode_rows.append(PlanRow(len(input_ids), 1, position + 1, _pages(seq, position + 1, page_size)))
         input_ids.append(seq.token_ids_range(position, position + 1)[0])
         positions.append(position)
-        slots.append(page * page_size + position % page_size)
+        slots.append(_slot(seq.page_ids, position, page_size))
         logits_rows.append(len(input_ids) - 1)
         sampling.append(seq)
     for work in step.prefills:
@@ -141,7 +140,7 @@ def plan_step(step: SchedulerOutput, page_size: int, num_groups: int = 1) -> tup
         input_ids.extend(seq.token_ids_range(start, end))
         positions.extend(range(start, end))
         pages = seq.page_ids
-        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        slots.extend(_slot(pages, p, page_size) for p in range(start, end))
         if end == seq.num_tokens and seq.params.pooling is None:  # its last token is in: it samples
             logits_rows.append(len(input_ids) - 1)
             sampling.append(seq)
@@ -168,12 +167,12 @@ def _group_plan(step: SchedulerOutput, group: int, page_size: int) -> GroupPlan:
     prefill_pages: list[list[int]] = []
     for seq in step.decodes:
         pages, position = seq.tables[group].page_ids, seq.num_computed_tokens
-        slots.append(pages[position // page_size] * page_size + position % page_size)
+        slots.append(_slot(pages, position, page_size))
         decode_pages.append(pages[: position // page_size + 1])
     for work in step.prefills:
         pages, start = work.seq.tables[group].page_ids, work.seq.num_computed_tokens
         end = start + work.num_new_tokens
-        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        slots.extend(_slot(pages, p, page_size) for p in range(start, end))
         prefill_pages.append(pages[: -(-end // page_size)])
     for seq in step.padding:
         if seq.num_computed_tokens:
@@ -208,6 +207,11 @@ def inputs_of_plan(plan: StepPlan, device: torch.device, sequences: StepSequence
     rows_at, targets_at = scored_at
     return dataclasses.replace(inputs, scored_rows=tensors[rows_at], scored_targets=tensors[targets_at],
                                scored=tuple(sequences.scored))  # fmt: skip
+
+
+def _slot(pages: list[int], position: int, page_size: int) -> int:
+    """The flat cache slot of the token at `position`, by a block table."""
+    return pages[position // page_size] * page_size + position % page_size
 
 
 def _pages(seq: Sequence, num_tokens: int, page_size: int) -> list[int]:

@@ -183,7 +183,7 @@ class KVCacheManager:
         needed = 0
         for group in match.groups:
             revived = sum(1 for page in group.page_ids if self.allocator.is_evictable(page))
-            needed += revived + max(self.num_pages_for(num_tokens) - group.num_skipped - len(group.page_ids), 0)
+            needed += revived + self._fresh_pages(group, num_tokens)
         if needed > self.allocator.num_free_pages:
             return False
         for group in match.groups:  # share first, so the allocations below cannot evict them
@@ -195,9 +195,12 @@ class KVCacheManager:
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)
         return True
 
+    def _fresh_pages(self, group: GroupMatch, num_tokens: int) -> int:
+        """The pages a group's table needs beyond its cached and skipped ones to cover `num_tokens`."""
+        return max(self.num_pages_for(num_tokens) - group.num_skipped - len(group.page_ids), 0)
+
     def _admitted_table(self, group: GroupMatch, num_cached_pages: int, num_tokens: int) -> BlockTable:
-        fresh = self.num_pages_for(num_tokens) - group.num_skipped - len(group.page_ids)
-        held = group.page_ids + self.allocator.allocate(max(fresh, 0))
+        held = group.page_ids + self.allocator.allocate(self._fresh_pages(group, num_tokens))
         # Skipped entries name a page it holds, as released ones do.
         return BlockTable(held[:1] * group.num_skipped + held, num_cached_pages, group.num_skipped)
 

@@ -13,6 +13,8 @@ Rolling (both strategies end with `serving` workers on the target epoch and none
   "serving" would only sit idle); each old group that retires is spare again for the next new worker.
 - in-place (maxUnavailable 1): drain one old worker, start the new weights on its group once it retired, and only
   then the next. Once a new worker serves, the remaining old ones drain as well, one at a time.
+A new worker serves once the daemon saw its heartbeat and the frontend has a live link to it
+(`PlannedWorker.linked`): until the frontend can route to it, no old worker drains for it.
 A canary (1..99 %) stops at its share of new workers, at least one, with the old ones still serving: the frontend
 sends that share of new requests to the new weights until a second rollout command lifts the canary.
 
@@ -65,6 +67,8 @@ class PlannedWorker:
     slot: int
     standby: bool = False  # to wait unrouted once warm
     restart_at: float | None = None  # a failed worker's end of back-off
+    # The frontend has a live link to it (frontend.control_messages.LiveLinks): serving, it takes new requests.
+    linked: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,10 @@ def _roll(desired: PoolTarget, alive: list[PlannedWorker], actual: PoolActual) -
     old = [w for w in alive if w.epoch != desired.epoch]
     if any(w.state in (WorkerState.STARTING, WorkerState.FAILED) for w in new):
         return Wait("a new worker is starting")
+    if any(w.state == WorkerState.SERVING and not w.linked for w in new):
+        # Serving for the daemon, but not yet for the frontend: draining old workers now could leave a moment in
+        # which no worker takes new requests.
+        return Wait("the frontend has no live link to a new worker yet")
     new_serving = [w for w in new if w.state == WorkerState.SERVING]
     old_serving = [w for w in old if w.state == WorkerState.SERVING]
     old_draining = [w for w in old if w.state == WorkerState.DRAINING]

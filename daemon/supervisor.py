@@ -30,6 +30,7 @@ from daemon.systemd_notify import SystemdNotifier
 from daemon.worker_pool import CannotServe, ChildFactory, WorkerPool
 from frontend.control_messages import (
     ControlHello,
+    LiveLinks,
     RolloutCommand,
     ScaleCommand,
     TenantsApplied,
@@ -182,6 +183,9 @@ class Supervisor:
                 self._published_version = -1  # the whole set again, for a frontend that knows nothing
                 self._tenants_applied = 0  # it starts with the configuration's own tenants
                 self._tenants_resend_at = 0.0
+                self.pool.frontend_links = frozenset()  # a new frontend: linked to nothing until it says
+            elif isinstance(message, LiveLinks):
+                self.pool.frontend_links = frozenset(message.worker_ids)
             elif isinstance(message, TenantsApplied):
                 self._tenants_acknowledged(message.version)
             elif isinstance(message, ScaleCommand):

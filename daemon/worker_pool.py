@@ -82,10 +82,10 @@ class Worker:
                           role=self.slot.role, pid=self.child.pid or 0, warmup_seconds=self.warmup_seconds,
                           standby=self.standby_when_warm and self.state != WorkerState.SERVING)  # fmt: skip
 
-    def planned(self) -> PlannedWorker:
+    def planned(self, linked: bool) -> PlannedWorker:
         restart_at = self.child.restart_at if self.state == WorkerState.FAILED else None
         return PlannedWorker(self.spec.worker_id, self.epoch, self.state, self.slot.index, self.standby_when_warm,
-                             restart_at)  # fmt: skip
+                             restart_at, linked)  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -120,6 +120,9 @@ class WorkerPool:
         self.rollouts: dict[str, Rollout] = {}
         self.targets: dict[str, dict[Pool, PoolTarget]] = {}  # the desired set: model -> pool -> its target
         self.version = 0  # of the set as the frontend sees it: bumped at every change
+        # The workers the frontend has a live link to (its latest LiveLinks); None until a frontend says (a pool
+        # with no frontend speaking to it, as in tests of the pool alone, counts every worker as linked).
+        self.frontend_links: frozenset[str] | None = None
         for model in config.served_models():
             home = [slot for slot in self.slots if slot.owner == model.name]
             path = model.path or model.name
@@ -281,7 +284,9 @@ class WorkerPool:
         for pool, target in self.targets[model_name].items():
             members = [w for w in self.workers if w.model_name == model_name and w.pool is pool]
             free = self._free_slots(model_name, pool)
-            actual = PoolActual(tuple(w.planned() for w in members), free.own_slots, free.spare_slots)
+            links = self.frontend_links
+            planned = tuple(w.planned(links is None or w.spec.worker_id in links) for w in members)
+            actual = PoolActual(planned, free.own_slots, free.spare_slots)
             if pool is Pool.PREFILL and not actual.free_slots:
                 # Without a spare prefill group, the prefill pool rolls one group at a time: while one is down its
                 # prompts are computed by the routed workers, so nobody waits.

@@ -1,7 +1,8 @@
 """The frontend's end of the control channel with the daemon (frontend.control_messages).
 
 It applies every WorkerSet to the scheduler link as it arrives, hands SIGHUP's tenants to `on_tenants` (a newer
-version only, acknowledged), and sends operators' rollout commands on, each answered by the daemon's CommandResult.
+version only, acknowledged), sends operators' rollout commands on, each answered by the daemon's CommandResult, and
+tells the daemon which workers it has a live link to (LiveLinks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from frontend.control_messages import (
     CommandResult,
     ControlCodec,
     ControlHello,
+    LiveLinks,
     RolloutCommand,
     RolloutStatus,
     ScaleCommand,
@@ -54,6 +56,7 @@ class ControlLink:
         self._outbox.setsockopt(zmq.LINGER, 0)
         self._outbox.connect(daemon_address)
         self._pending: dict[str, asyncio.Future[CommandResult]] = {}
+        self._links_sent: list[str] | None = None  # the LiveLinks last sent
         self._task: asyncio.Task | None = None
         self.on_tenants: Callable[[list[TenantSpec]], None] = lambda tenants: None
 
@@ -69,6 +72,17 @@ class ControlLink:
         if self._task is not None:
             self._task.cancel()
         self._context.destroy(linger=0)
+
+    def links_changed(self, resend: bool = False) -> None:
+        """Tells the daemon which workers this frontend has a live link to, when that changed (or `resend`: with
+        every WorkerSet, so that one message lost on the way is made good by the next change the daemon makes)."""
+        live = sorted(s.address.worker_id for s in self._link.schedulers if s.is_live)
+        if live == self._links_sent and not resend:
+            return
+        self._links_sent = live
+        sent = self._outbox.send(self._codec.encode(LiveLinks(live)), zmq.NOBLOCK)  # done at once, or queued
+        if sent.done() and sent.exception() is not None:
+            self._log.warning("live_links_dropped", detail="the daemon does not read its socket")
 
     async def scale(self, model_name: str, serving: int, standby: int, reason: str, pool: Pool = Pool.ROUTED) -> None:
         """The autoscaler's decision for one pool, to the daemon (no answer: the next WorkerSet shows what it did)."""
@@ -105,6 +119,7 @@ class ControlLink:
         if isinstance(message, WorkerSet):
             if message.version > self._link.worker_set.version:
                 self._link.apply_worker_set(message)
+                self.links_changed(resend=True)
         elif isinstance(message, CommandResult):
             future = self._pending.get(message.command_id)
             if future is not None and not future.done():

@@ -121,7 +121,15 @@ class TenantsApplied(msgspec.Struct, frozen=True, tag="tenants_applied", forbid_
     version: int
 
 
-ToDaemon = ControlHello | RolloutCommand | ScaleCommand | TenantsApplied
+class LiveLinks(msgspec.Struct, frozen=True, tag="live_links", forbid_unknown_fields=True):
+    """The workers this frontend has a live link to (their ready taken, their reports arriving), sent when the set
+    changes and with every WorkerSet taken. A rollout drains old workers only once a new one is in it: the daemon
+    marks a worker serving on its heartbeat, which can come before this frontend could route to it."""
+
+    worker_ids: list[str]
+
+
+ToDaemon = ControlHello | RolloutCommand | ScaleCommand | TenantsApplied | LiveLinks
 
 
 class Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

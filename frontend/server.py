@@ -46,10 +46,13 @@ async def serve(spec: FrontendSpec, log) -> None:
     health_servicer = health.aio.HealthServicer()
     lifecycle: Lifecycle | None = None
     admission: AdmissionController | None = None
+    control: ControlLink | None = None
 
     def on_change() -> None:
         lifecycle.schedule_health_refresh()
         admission.pump()  # a scheduler came back: queued requests may go to it
+        if control is not None:
+            control.links_changed()
 
     link = SchedulerLink(spec, log, on_change=on_change)
     lifecycle = Lifecycle(health_servicer, link)
@@ -94,7 +97,6 @@ async def serve(spec: FrontendSpec, log) -> None:
         raise PortInUse(f"grpc_port: cannot listen on {host_port(spec.host, spec.grpc_port)} ({error})") from None
     await lifecycle.refresh_health()  # NOT_SERVING until every scheduler said it is ready
     await link.start()
-    control = None
     if spec.control_address:
         control = ControlLink(link, spec.control_address, spec.daemon_control_address,
                               read_secret(spec.secret_path), log)  # fmt: skip

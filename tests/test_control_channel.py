@@ -30,6 +30,7 @@ from frontend.control_messages import (
     CommandResult,
     ControlCodec,
     ControlHello,
+    LiveLinks,
     Replayed,
     RolloutCommand,
     RolloutStatus,
@@ -80,6 +81,7 @@ TO_DAEMON = [
     RolloutCommand("c1", "m", "/weights/v2", strategy="in-place", canary_percent=10),
     RolloutCommand("c2", "m", "", rollback=True),
     TenantsApplied(2),
+    LiveLinks(["m/0", "m/spare0@1"]),
 ]
 TO_FRONTEND = [
     worker_set(),

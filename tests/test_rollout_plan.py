@@ -193,6 +193,32 @@ def test_surge_drains_every_old_worker_once_one_new_worker_serves():
     assert next_action(target, model.workers, model.spare_slots()) == DrainWorkers(("m/0", "m/1", "m/2"))
 
 
+@pytest.mark.parametrize(("strategy", "spares"), [(SURGE, 1), (IN_PLACE, 0)])
+def test_no_old_worker_drains_for_a_new_one_the_frontend_cannot_route_to_yet(strategy, spares):
+    """The daemon marks a worker serving on its heartbeat; the frontend's link to it (its ready, taken on the
+    connection the frontend opened) can come a moment later. Draining the old workers in that moment would leave
+    none taking new requests, so the plan waits for the frontend's word (LiveLinks)."""
+    model = Model.serving(2, spares)
+    target = Target(NEW, strategy, 2)
+    while not model.on(NEW):  # to the first new worker (in place: once its group is free)
+        action = next_action(target, model.workers, model.spare_slots())
+        if isinstance(action, DrainWorkers):
+            model.set_state(next(w for w in model.workers if w.worker_id in action.worker_ids), DRAINING)
+        elif isinstance(action, StartWorker):
+            model.start(action.slot, NEW)
+        else:
+            assert isinstance(action, Wait), action
+            model.retire(model.in_state(DRAINING)[0])
+    new = model.on(NEW)[0]
+    unlinked = dataclasses.replace(new, state=SERVING, linked=False)
+    model.workers[model.workers.index(new)] = unlinked
+    assert isinstance(next_action(target, model.workers, model.spare_slots()), Wait)
+    model.workers[model.workers.index(unlinked)] = dataclasses.replace(unlinked, linked=True)
+    action = next_action(target, model.workers, model.spare_slots())
+    old_serving = {w.worker_id for w in model.on(OLD, SERVING)}
+    assert isinstance(action, DrainWorkers) and set(action.worker_ids) <= old_serving, action
+
+
 def test_in_place_restarts_one_group_at_a_time():
     model = Model.serving(3)
     target = Target(NEW, IN_PLACE, 3)

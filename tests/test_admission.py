@@ -118,16 +118,23 @@ def test_a_full_queue_sheds_batch_first_and_says_when_to_retry(daemon):
     async def scenario():
         async with grpc.aio.insecure_channel(daemon.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            batch = [asyncio.create_task(_stream(stub, _request(100 + i, 400), "jobs")) for i in range(10)]
-            await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 6, 30)
+            # Four batch streams as long as the context allows take every slot and hold it for seconds even on a fast
+            # machine (a queue that drained as they finished would take the chats without shedding anything); six
+            # short ones fill the queue.
+            running = [asyncio.create_task(_stream(stub, _request(100 + i, 2030), "jobs")) for i in range(4)]
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_requests_running") == 4, 30)
+            batch = [asyncio.create_task(_stream(stub, _request(110 + i, 10), "jobs")) for i in range(6)]
+            await asyncio.to_thread(daemon.wait_for, lambda: _queued(daemon, "batch") == 6, 30)
             extra_batch = await _stream(stub, _request(200, 10), "jobs")  # the queue is full: shed at once
             # Two chats go straight in, beyond the batch's depth; the third must wait, so a batch one makes room.
-            # (Long enough to hold their slots until the third arrives, however busy the machine.)
             chats = [asyncio.create_task(_stream(stub, _request(201 + i, 200), "chat")) for i in range(2)]
             await asyncio.to_thread(daemon.wait_for, lambda: daemon.metric("tokend:num_preemptions_total") >= 2, 30)
             chats.append(asyncio.create_task(_stream(stub, _request(203, 10), "chat")))
-            return await asyncio.gather(*batch), extra_batch, await asyncio.gather(*chats)
+            chats = await asyncio.gather(*chats)
+            for stream in running:  # done with them: the queued short ones run next
+                stream.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            return await asyncio.gather(*batch), extra_batch, chats
 
     batch, extra_batch, chats = asyncio.run(scenario())
     assert extra_batch["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry in" in extra_batch["details"]

@@ -57,6 +57,23 @@ class FrontendMetrics:
         self.prefix_cache_hits = Counter(
             "tokend:prefix_cache_hits", "Prompt tokens found in the prefix cache", scheduler, registry=r
         )
+        self.prefix_cache_host_hits = Counter(
+            "tokend:prefix_cache_host_hits",
+            "Prompt tokens found in the host KV tier (counted in tokend:prefix_cache_hits too)",
+            scheduler,
+            registry=r,
+        )
+        self.kv_offloaded_pages = Counter(
+            "tokend:kv_offloaded_pages", "KV pages copied to the host tier as the KV cache evicted them", scheduler,
+            registry=r,
+        )  # fmt: skip
+        self.kv_host_loaded_pages = Counter(
+            "tokend:kv_host_loaded_pages", "KV pages loaded back from the host tier for a prompt", scheduler,
+            registry=r,
+        )  # fmt: skip
+        self.kv_host_tier_pages = Gauge(
+            "tokend:kv_host_tier_pages", "KV pages held in the host tier", scheduler, registry=r
+        )
         self.num_preemptions = Counter(
             "tokend:num_preemptions", "Sequences preempted to free KV pages", scheduler, registry=r
         )
@@ -249,9 +266,13 @@ class FrontendMetrics:
         self.scheduler_up.labels(*labels).set(1)
         self.iteration_tokens.observe(labels, report)
         self.kv_leases_held.labels(*labels).set(report.kv_leases_held)
+        self.kv_host_tier_pages.labels(*labels).set(report.kv_host_pages)
         counters = (
             (self.prefix_cache_queries, report.prefix_query_tokens),
             (self.prefix_cache_hits, report.prefix_hit_tokens),
+            (self.prefix_cache_host_hits, report.prefix_host_hit_tokens),
+            (self.kv_offloaded_pages, report.kv_offloaded_pages),
+            (self.kv_host_loaded_pages, report.kv_loaded_pages),
             (self.num_preemptions, report.num_preemptions),
             (self.kv_transfer_pages, report.kv_pulled_pages),
             (self.kv_transfer_bytes, report.kv_pulled_bytes),

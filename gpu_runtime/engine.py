@@ -20,6 +20,8 @@ from gpu_runtime.generation_defaults import load_sampling_defaults
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.messages import RequestDelta, TokenLogprob
 from gpu_runtime.ipc.sampling_params import SamplingParams
+from gpu_runtime.kv_cache.host_tier import HostPages, HostTier
+from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.page_budget import largest_chunk
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
@@ -92,8 +94,12 @@ class LLMEngine:
         salt = f"{self.model_name}:{self.generation}".encode()
         # A block table per KV group (one unless the model mixes sliding and global layers); where a group's layers
         # slide, its pages behind the window go back as a sequence moves on (Mistral 7B v0.1, Gemma's sliding layers).
-        self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt,
-                                 windows=pool.layout.windows)  # fmt: skip
+        try:
+            self.kv = KVCacheManager(pool.num_pages, config.page_size, config.enable_prefix_caching, salt,
+                                     windows=pool.layout.windows, host_tier=self._host_tier(pool))  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
         # Prompts' pages pinned for decode workers to pull (a prefill worker's; disaggregated serving).
         self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
@@ -102,6 +108,17 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+
+    def _host_tier(self, pool: KVPool) -> HostTier | None:
+        """The second KV tier in host memory (kv_offload_bytes), its copies logged for the other ranks under tensor
+        parallelism; None without one."""
+        if not self.config.kv_offload_bytes:
+            return None
+        num_bytes, per_page = self.config.kv_offload_bytes, HostPages.page_bytes(pool)
+        num_slots = num_bytes // per_page
+        if num_slots < 1:
+            raise ValueError(f"kv_offload_bytes: {num_bytes} bytes hold no KV page (one takes {per_page} bytes)")
+        return HostTier(num_slots, HostPages(pool, num_slots), keep_log=self.ranks is not None)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -273,7 +290,8 @@ class LLMEngine:
         traceback that holds them, and their memory can be released."""
         masks = None
         try:
-            inputs = self.runner.prepare(scheduled)
+            host = self.kv.host
+            inputs = self.runner.prepare(scheduled, host.take_log() if host is not None and self.ranks else [])
             # The constrained rows' masks are computed on a thread while the forward runs.
             masks = self._grammar_masks.start(inputs.sampling) if self._grammar_masks else None
             logits, prompt_scores = self.runner.execute(inputs)

@@ -92,6 +92,14 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         ),
     ] = 0.9
     enable_prefix_caching: Annotated[bool, _doc("requests that share a prefix share its cached KV pages")] = True
+    kv_offload_bytes: Annotated[
+        int,
+        _doc(
+            "host memory for a second KV tier, in bytes (0: none; each rank's under tensor parallelism): cached "
+            "prefix pages the KV cache evicts are copied there and loaded back when a prompt needs them again, "
+            "instead of recomputed (pinned memory on CUDA; models whose layers all attend globally)"
+        ),
+    ] = 0
     disable_hybrid_kv_cache_manager: Annotated[
         bool,
         _doc(
@@ -156,6 +164,8 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         require(is_number(share) and 0 < share <= 1, "gpu_memory_utilization", "in (0, 1]", share)
         length = self.max_model_len
         require(length is None or (is_int(length) and length >= 2), "max_model_len", "an integer >= 2", length)
+        offload = self.kv_offload_bytes
+        require(is_int(offload) and offload >= 0, "kv_offload_bytes", "a number of bytes >= 0", offload)
         caching = self.enable_prefix_caching
         require(isinstance(caching, bool), "enable_prefix_caching", "true|false", caching)
         backend = self.attention_backend

@@ -77,6 +77,11 @@ class EngineSnapshot:
     num_steps: int
     mean_step_ms: float
     last_step_ms: float
+    # The host KV tier (kv_offload_bytes), cumulative but for its pages held now; zeros without one.
+    prefix_host_hit_tokens: int = 0  # of prefix_hit_tokens, found in the host tier
+    kv_offloaded_pages: int = 0
+    kv_loaded_pages: int = 0
+    kv_host_pages: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -98,4 +103,8 @@ class EngineSnapshot:
             num_steps=stats.num_steps,
             mean_step_ms=1e3 * stats.step_seconds / stats.num_steps if stats.num_steps else 0.0,
             last_step_ms=1e3 * stats.last_step_seconds,
+            prefix_host_hit_tokens=kv.num_host_hit_tokens,
+            kv_offloaded_pages=kv.host.num_offloaded if kv.host is not None else 0,
+            kv_loaded_pages=kv.host.num_loaded if kv.host is not None else 0,
+            kv_host_pages=len(kv.host) if kv.host is not None else 0,
         )

@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import msgspec
 import torch
 
+from gpu_runtime.kv_cache.host_tier import HostPages, KVCopy
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.model.registry import CausalLM
 from gpu_runtime.pooling import pool_chunks
@@ -31,21 +33,26 @@ class ModelRunner:
     0's runner has the group's `channel`: each step's plan goes to the other ranks before its own forward, and
     theirs (gpu_runtime/tp/rank_main.py) run it from the plan."""
 
-    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, channel: StepChannel | None = None):
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, channel: StepChannel | None = None,
+                 host_pages: HostPages | None = None):  # fmt: skip
         self.model = model
         self.pool = pool
         self.device = device
         self.channel = channel
+        self.host_pages = host_pages  # a tensor-parallel rank's part of the host KV tier: it replays rank 0's copies
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
 
-    def prepare(self, step: SchedulerOutput) -> StepInputs:
+    def prepare(self, step: SchedulerOutput, kv_copies: list[KVCopy] = ()) -> StepInputs:
+        """The step's inputs; `kv_copies`: rank 0's host-tier copies since the last step, for the other ranks."""
         plan, sequences = plan_step(step, self.pool.page_size, self.pool.layout.num_groups)
         if self.channel is not None:
-            self.channel.send(RunStep(plan))
+            self.channel.send(RunStep(msgspec.structs.replace(plan, kv_copies=list(kv_copies))))
         return self._planned(inputs_of_plan(plan, self.device, sequences))
 
     def prepare_plan(self, plan: StepPlan) -> StepInputs:
-        """A tensor-parallel rank's inputs, from rank 0's plan (it samples nothing)."""
+        """A tensor-parallel rank's inputs, from rank 0's plan (it samples nothing), after its host-tier copies."""
+        if plan.kv_copies:
+            self.host_pages.replay(plan.kv_copies)
         return self._planned(inputs_of_plan(plan, self.device))
 
     def _planned(self, inputs: StepInputs) -> StepInputs:

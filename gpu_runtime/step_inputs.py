@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from gpu_runtime.attention.metadata import AttentionMetadata, DecodeBatch, PlanRow, PrefillBatch
+from gpu_runtime.kv_cache.host_tier import KVCopy
 from gpu_runtime.pooling import PooledChunk, chunk_to_pool
 from gpu_runtime.prompt_logprobs import ScoredPrompt, rows_to_score
 from gpu_runtime.scheduler import SchedulerOutput
@@ -77,6 +78,8 @@ class StepPlan(msgspec.Struct, frozen=True, array_like=True):
     scored_rows: list[int] = []  # rows whose logits score a prompt token (prompt logprobs), and those tokens
     scored_targets: list[int] = []
     other_groups: list[GroupPlan] = []  # the KV groups after the first (slots and PlanRow.pages are the first's)
+    # Under tensor parallelism, the host KV tier's copies rank 0 made since the last step, replayed before it.
+    kv_copies: list[KVCopy] = []
 
 
 class _HostBuffer:

@@ -72,6 +72,28 @@ def test_outputs_unchanged_after_cached_pages_are_evicted_and_refilled(reference
     assert [o.outputs[0].token_ids for o in second] == expected[8:] + expected[:8]
 
 
+def test_with_a_host_tier_evicted_prefixes_come_back_from_host_memory_and_outputs_stay_those_of_transformers(
+    reference_case,
+):
+    """--kv-offload-bytes: the second round finds the first round's evicted pages in the host tier instead of
+    recomputing them, and every output is still transformers' greedy continuation (greedy identical with the tier
+    on and off: the other test of this pool size has it off)."""
+    model_dir, prompts, expected = reference_case
+    llm = LLM(str(model_dir), page_size=4, max_num_seqs=4, kv_cache_bytes=kv_bytes_for(model_dir, 4, 120),
+              kv_offload_bytes=kv_bytes_for(model_dir, 4, 2000))  # fmt: skip
+    first = llm.generate(token_prompts(prompts[:8]), GREEDY)
+    second = llm.generate(token_prompts(prompts[8:] + prompts[:8]), GREEDY)
+    host = llm.engine.kv.host
+    assert host.num_offloaded > 0 and host.num_loaded > 0
+    assert [o.outputs[0].token_ids for o in first] == expected[:8]
+    assert [o.outputs[0].token_ids for o in second] == expected[8:] + expected[:8]
+    # The first round's full pages came back (from the device pool where still there, else from the host tier).
+    revisited = [o.num_cached_tokens for o in second[8:]]
+    assert revisited == [(len(p) - 1) // 4 * 4 for p in prompts[:8]]
+    assert llm.engine.kv.num_host_hit_tokens > 0  # (a preempted request's reload counts as a load, not a hit)
+    llm.engine.check_integrity()
+
+
 def test_chunked_prefill_keeps_decodes_flowing_while_a_long_prompt_arrives(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), max_num_seqs=8, max_num_batched_tokens=32))
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import QWEN2, write_checkpoint
-from conftest import random_prompts, transformers_greedy
+from conftest import kv_bytes_for, random_prompts, transformers_greedy
 
 from gpu_runtime import LLM, SamplingParams
 from gpu_runtime.ipc.pooling import PoolingParams, PoolingType
@@ -85,6 +85,25 @@ def test_two_ranks_generate_what_one_process_and_transformers_do(tmp_path, spec)
             assert mine.token_id == theirs.token_id
             assert abs(mine.logprob - theirs.logprob) <= 1e-4
             assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+
+
+def test_with_a_host_tier_each_rank_keeps_its_heads_pages_and_outputs_stay_those_of_transformers(tmp_path):
+    """--kv-offload-bytes under tensor parallelism: rank 0 decides what goes to the host tier and back, rank 1
+    replays the copies on its own heads' pages (with each step's plan), so the revisited prompts' pages loaded back
+    from host memory hold every rank's K/V: the outputs are transformers' greedy ones."""
+    model_dir = write_checkpoint(tmp_path / "model", LLAMA_4Q_2KV)
+    prompts = random_prompts(12, 20, 80, seed=9)
+    expected = transformers_greedy(model_dir, prompts, NUM_TOKENS)
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    # 40 pages of 4 tokens per rank (each rank's pages hold its half of the heads): a round of prompts evicts the
+    # round before it.
+    options = {**OPTIONS, "max_num_seqs": 4, "kv_cache_bytes": kv_bytes_for(model_dir, 4, 20),
+               "kv_offload_bytes": kv_bytes_for(model_dir, 4, 200)}  # fmt: skip
+    with LLM(str(model_dir), tensor_parallel_size=2, **options) as two:
+        first = two.generate([{"prompt_token_ids": p} for p in prompts[:6]], greedy)
+        second = two.generate([{"prompt_token_ids": p} for p in prompts[6:] + prompts[:6]], greedy)
+        assert two.engine.kv.host.num_loaded > 0 and two.engine.kv.num_host_hit_tokens > 0
+    assert [o.outputs[0].token_ids for o in first + second] == expected[:6] + expected[6:] + expected[:6]
 
 
 def test_a_killed_rank_is_noticed_and_closing_leaves_no_rank(tmp_path):

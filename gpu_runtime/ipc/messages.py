@@ -216,6 +216,12 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     # Messages this scheduler refused since the process started (gpu_runtime.ipc.rejected_messages).
     messages_malformed: int = 0
     messages_forged: int = 0
+    # The host KV tier (gpu_runtime/kv_cache/host_tier.py), cumulative since the process started: prompt tokens
+    # found there (counted in prefix_hit_tokens too), pages copied to it and loaded back; its pages now.
+    prefix_host_hit_tokens: int = 0
+    kv_offloaded_pages: int = 0
+    kv_loaded_pages: int = 0
+    kv_host_pages: int = 0
 
 
 ToFrontend = StepOutputs | SchedulerReady | LoadReport

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gpu_runtime.kv_cache.host_tier import HostTier
 from gpu_runtime.kv_cache.page_allocator import PageAllocator
 from gpu_runtime.kv_cache.page_budget import pages_held_at_most
 from gpu_runtime.kv_cache.page_hashes import PageHasher
@@ -25,8 +26,10 @@ class PrefixMatch:
     group needs are cached (all of them for a global group; with a window, those of the last window)."""
 
     num_pages: int  # leading pages of the sequence it covers
-    groups: tuple[GroupMatch, ...]  # each group's pages for them
+    groups: tuple[GroupMatch, ...]  # each group's device pages for them
     hashes: list[bytes]  # the first group's pages' hashes
+    # Host-tier slots of the pages after the device ones (counted in num_pages): loaded back at admission.
+    host_slots: list[int] = field(default_factory=list)
 
     @property
     def page_ids(self) -> list[int]:
@@ -55,6 +58,10 @@ class KVCacheManager:
     left the window: release_behind_window gives it back as the sequence moves on, so a long sequence holds one
     window's pages in that group (plus the step's), not its whole length. `windows` has one entry per KV group
     (gpu_runtime/kv_cache/kv_groups.py), each group's block table drawn from the one pool; one group by default.
+
+    With a `host_tier` (one group without a window: --kv-offload-bytes), a cached page evicted from the pool is kept
+    in host memory, and a prefix that goes on past the device's cached pages goes on in the host tier: those pages
+    are loaded into fresh pages at admission and count as cached (gpu_runtime/kv_cache/host_tier.py).
     """
 
     def __init__(
@@ -65,14 +72,22 @@ class KVCacheManager:
         salt: bytes = b"",
         window: int | None = None,
         windows: tuple[int | None, ...] | None = None,
+        host_tier: HostTier | None = None,
     ):
         self.page_size = page_size
         self.windows = windows if windows is not None else (window,)
         self.allocator = PageAllocator(num_pages)
+        if host_tier is not None and self.windows != (None,):
+            raise ValueError("kv_offload_bytes: the host tier keeps the pages of models whose layers all attend "
+                             "globally (one block table); this one has sliding-window layers")  # fmt: skip
+        self.host = host_tier
+        if host_tier is not None:
+            self.allocator.on_evict = host_tier.offload
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = PageHasher(page_size, salt)
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of which found cached
+        self.num_host_hit_tokens = 0  # of which found in the host tier
 
     @property
     def window(self) -> int | None:
@@ -135,7 +150,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return self._match(0, [[] for _ in self.windows], [])
         if self.windows == (None,):
-            return self.lookup(hashes)
+            return self._with_host_pages(self.lookup(hashes), hashes)
         pages = [[self.allocator.lookup(self._key(h, group)) for h in hashes] for group in range(self.num_groups)]
         best = 0  # the longest prefix (in pages) whose needed pages every group has cached
         runs = [0] * self.num_groups  # per group, the cached pages ending at the current one
@@ -145,6 +160,14 @@ class KVCacheManager:
             if all(run >= self._pages_needed(end, window) for run, window in zip(runs, self.windows, strict=True)):
                 best = end
         return self._match(best, pages, hashes)
+
+    def _with_host_pages(self, match: PrefixMatch, hashes: list[bytes]) -> PrefixMatch:
+        """`match` extended by the host tier's run of the pages after it."""
+        slots = self.host.run_of(hashes[match.num_pages :]) if self.host is not None else []
+        if not slots:
+            return match
+        num_pages = match.num_pages + len(slots)
+        return PrefixMatch(num_pages, match.groups, hashes[:num_pages], slots)
 
     def _pages_needed(self, num_pages: int, window: int | None) -> int:
         """The last pages of a `num_pages`-page prefix a group must have cached to continue from it: all of them,
@@ -189,11 +212,25 @@ class KVCacheManager:
         for group in match.groups:  # share first, so the allocations below cannot evict them
             for page in group.page_ids:
                 self.allocator.share(page)
+        if match.host_slots:
+            self.host.hold(match.host_slots)  # nor the host pages the allocations' own evictions go to
         seq.tables = [self._admitted_table(group, match.num_pages, num_tokens) for group in match.groups]
+        if match.host_slots:
+            self._load_from_host(seq.tables[0], match)
         if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)
+            self.num_host_hit_tokens += len(match.host_slots) * self.page_size
         return True
+
+    def _load_from_host(self, table: BlockTable, match: PrefixMatch) -> None:
+        """The host tier's pages of `match` into the fresh pages after the device ones, registered as cached (a hash
+        already cached on the device stays that page's: the copy is then this sequence's alone)."""
+        first = len(match.groups[0].page_ids)
+        pages = table.page_ids[first : first + len(match.host_slots)]
+        self.host.load(pages, match.host_slots)
+        for page, content_hash in zip(pages, match.hashes[first:], strict=False):
+            self.allocator.register(page, content_hash)
 
     def _fresh_pages(self, group: GroupMatch, num_tokens: int) -> int:
         """The pages a group's table needs beyond its cached and skipped ones to cover `num_tokens`."""
@@ -257,6 +294,8 @@ class KVCacheManager:
         `pinned` page lists (leases) (AssertionError if not)."""
         owners = [table_pages_held(table) for seq in sequences for table in seq.tables]
         self.allocator.check_integrity(owners + list(pinned))
+        if self.host is not None:
+            self.host.check_integrity()
         for seq in sequences:
             holds = any(table.page_ids for table in seq.tables)
             assert len(seq.tables) == self.num_groups or not holds, f"{seq.request_id}: {len(seq.tables)} tables"

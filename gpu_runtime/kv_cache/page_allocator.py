@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 
 class OutOfPagesError(RuntimeError):
@@ -30,6 +31,9 @@ class PageAllocator:
         self._hash_of_page: dict[int, bytes] = {}
         self._page_of_hash: dict[bytes, int] = {}
         self.num_evictions = 0
+        # Called with (page, hash) as allocation evicts a cached page, before the page is handed out to be written:
+        # the host tier's copy (gpu_runtime/kv_cache/host_tier.py).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # -- counts -----------------------------------------------------------------------------------
 
@@ -67,6 +71,8 @@ class PageAllocator:
         if self._free:
             return self._free.popleft()
         page, _ = self._evictable.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(page, self._hash_of_page[page])
         self._forget_hash(page)
         self.num_evictions += 1
         return page

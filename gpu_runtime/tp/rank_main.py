@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
 
     from gpu_runtime.attention.backend import make_attention_backend
     from gpu_runtime.device import resolve_dtype
+    from gpu_runtime.kv_cache.host_tier import HostPages
     from gpu_runtime.memory_profile import load_model_and_pool
     from gpu_runtime.model.config import load_capped_model_config
     from gpu_runtime.model_runner import ModelRunner
@@ -57,7 +58,10 @@ def main(argv: list[str]) -> int:
             spec.model_dir, model_config, config, backend, dtype, device, tp, channel
         )
         log.info("rank_ready", device=str(device), pages=memory.num_pages, weights_bytes=memory.weights_bytes)
-        runner = ModelRunner(model, pool, device)
+        host_pages = None
+        if config.kv_offload_bytes:  # this rank's heads of the host tier rank 0 keeps the books of
+            host_pages = HostPages(pool, config.kv_offload_bytes // HostPages.page_bytes(pool))
+        runner = ModelRunner(model, pool, device, host_pages=host_pages)
         while True:
             command = channel.receive()
             if isinstance(command, Stop):

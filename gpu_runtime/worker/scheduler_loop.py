@@ -331,6 +331,10 @@ class SchedulerLoop:
                 **self._handover_load(),
                 messages_malformed=self._rejected.malformed,
                 messages_forged=self._rejected.forged,
+                prefix_host_hit_tokens=snapshot.prefix_host_hit_tokens,
+                kv_offloaded_pages=snapshot.kv_offloaded_pages,
+                kv_loaded_pages=snapshot.kv_loaded_pages,
+                kv_host_pages=snapshot.kv_host_pages,
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

@@ -27,5 +27,5 @@ def warm_up(engine: LLMEngine, num_prompt_tokens: int = 32, num_output_tokens: i
         engine.step()
     # Leave no trace in what clients see: no cached prefix, no counted tokens or steps.
     engine.kv.allocator.evict_all_cached()
-    engine.kv.num_prefix_query_tokens = engine.kv.num_prefix_hit_tokens = 0
+    engine.kv.num_prefix_query_tokens = engine.kv.num_prefix_hit_tokens = engine.kv.num_host_hit_tokens = 0
     engine.stats = type(engine.stats)()

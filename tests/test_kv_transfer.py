@@ -45,3 +45,26 @@ def test_import_refuses_a_pool_with_another_page_size(llama_dir):
         LLMEngine(EngineConfig(model=str(llama_dir), page_size=8)).import_prefix(
             source.export_prefix(list(range(1, 70)))
         )
+
+
+def test_a_prefill_worker_with_a_host_tier_hands_over_pages_it_loaded_back_from_host_memory(llama_dir):
+    """A prefill worker whose pool evicted a conversation's pages gets them back from its host tier for the next
+    turn (nothing recomputed), and the pages it hands the decode worker hold that prompt's K/V: the decode worker's
+    tokens are those of a worker that computed the whole prompt itself."""
+    from conftest import kv_bytes_for
+
+    page_bytes = kv_bytes_for(llama_dir, 16, 1)
+    prefill_worker = LLMEngine(EngineConfig(model=str(llama_dir), kv_cache_bytes=16 * page_bytes,
+                                            kv_offload_bytes=64 * page_bytes))  # fmt: skip
+    decode_worker = LLMEngine(EngineConfig(model=str(llama_dir)))
+    prompt, crowd = random_prompts(2, 200, 200, seed=22)
+    expected, _ = generate(LLMEngine(EngineConfig(model=str(llama_dir))), "reference", prompt)
+    generate(prefill_worker, "first-turn", prompt)
+    generate(prefill_worker, "crowd", crowd)  # its 13 pages and more: the first turn's pages leave the pool
+    assert prefill_worker.kv.host.num_offloaded > 0
+    _, cached = generate(prefill_worker, "second-turn", prompt)
+    assert cached == 192 and prefill_worker.kv.num_host_hit_tokens > 0  # what left the pool came back from host
+
+    assert decode_worker.import_prefix(prefill_worker.export_prefix(prompt)) == 12
+    tokens, cached = generate(decode_worker, "d", prompt)
+    assert cached == 192 and tokens == expected

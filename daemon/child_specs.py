@@ -131,6 +131,7 @@ def frontend_spec(config: ServeConfig, runtime_dir: Path, workers: list[WorkerSp
         metrics_socket=str(runtime_dir / METRICS_SOCKET_FILE),
         control_address=f"ipc://{runtime_dir}/{FRONTEND_SOCKET_FILE}",
         disagg_min_prompt_tokens=config.disagg_min_prompt_tokens,
+        prefix_routing_weight=config.prefix_routing_weight,
         daemon_control_address=f"ipc://{runtime_dir}/{DAEMON_SOCKET_FILE}",
         admin_token_sha256=admin_token_sha256,
         admin_token_path=str(Path(config.state_dir) / ADMIN_TOKEN_FILE) if admin_token_sha256 else "",

@@ -137,6 +137,12 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _doc("with prefill and decode pools (groups like cpu=prefill, cuda:1=decode): prompts shorter than this "
              "go straight to a decode worker"),
     ] = 64  # fmt: skip
+    prefix_routing_weight: Annotated[
+        float,
+        _doc("prefix-aware routing: a request goes to the worker where its projected wait plus this weight times the "
+             "prefill of its prompt tokens not cached there is least (from the workers' KV events); 0: by the wait "
+             "alone (least loaded)"),
+    ] = 1.0  # fmt: skip
     kv_lease_seconds: Annotated[
         float, _doc("seconds a prefill worker keeps a prompt's KV pages for a decode worker that has not pulled them")
     ] = 30.0
@@ -193,6 +199,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
         _check("disagg_min_prompt_tokens", _is_int(self.disagg_min_prompt_tokens) and self.disagg_min_prompt_tokens
                >= 0, "an integer >= 0", self.disagg_min_prompt_tokens)  # fmt: skip
+        _check("prefix_routing_weight", _is_number(self.prefix_routing_weight) and self.prefix_routing_weight >= 0,
+               "a number >= 0", self.prefix_routing_weight)  # fmt: skip
         self._take_enums()
         nixl_found = importlib.util.find_spec("nixl") is not None
         _check("kv_transfer_transport", self.kv_transfer_transport != KVTransport.NIXL or nixl_found,

@@ -22,6 +22,7 @@ import grpc
 
 from frontend.errors import RequestError
 from frontend.metrics import FrontendMetrics
+from frontend.prefix_index import PromptPages
 from frontend.scheduler_link import SchedulerLink, SchedulerState
 from frontend.spec import AdmissionSpec, TenantSpec
 from gpu_runtime.ipc.enums import Priority
@@ -60,6 +61,7 @@ class Ticket:
     arrived: float = field(default_factory=time.monotonic)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     route_draw: float = field(default_factory=random.random)  # which side of a canary's split it falls on
+    prompt: PromptPages | None = None  # for prefix-aware routing: where its pages are
 
 
 @dataclass(eq=False)
@@ -145,11 +147,13 @@ class AdmissionController:
 
     # -- the way in ---------------------------------------------------------------------------------------------
 
-    async def admit(self, model: str, tenant: TenantSpec | None, priority: Priority, cost: int) -> SchedulerState:
-        """Waits for the request's turn; returns the scheduler to send it to, or raises Shed."""
+    async def admit(self, model: str, tenant: TenantSpec | None, priority: Priority, cost: int,
+                    prompt: PromptPages | None = None) -> SchedulerState:  # fmt: skip
+        """Waits for the request's turn; returns the scheduler to send it to (the one its `prompt` costs least on),
+        or raises Shed."""
         name = tenant.name if tenant else ""
         self._check_tenant_limits(tenant, priority)
-        ticket = Ticket(model, name, priority, cost)
+        ticket = Ticket(model, name, priority, cost, prompt=prompt)
         self._in_flight[name] += 1
         try:
             self._enqueue(ticket)
@@ -304,7 +308,7 @@ class AdmissionController:
     def _scheduler_with_room(self, ticket: Ticket) -> SchedulerState | None:
         limit = self._slot_limit(ticket.priority)
         has_room = lambda s: s.outstanding < limit(s)  # noqa: E731
-        return self._link.workers.pick(ticket.model, draw=ticket.route_draw, has_room=has_room)
+        return self._link.workers.pick(ticket.model, draw=ticket.route_draw, has_room=has_room, prompt=ticket.prompt)
 
     def _slot_limit(self, priority: Priority):
         if priority == Priority.INTERACTIVE:

@@ -26,6 +26,7 @@ from frontend.errors import RequestError, invalid
 from frontend.metering import Meter, TokenCounts, status_of
 from frontend.metrics import FrontendMetrics
 from frontend.migration import Carryover
+from frontend.prefix_index import PromptPages
 from frontend.request_phases import RequestPhases
 from frontend.request_stream import ChunkBuilder
 from frontend.request_streams import RequestStream, SchedulerLost
@@ -118,6 +119,8 @@ class RequestSession:
         self._admitted = False  # holds an admission slot, given back once by _release
         self._released = False
         self._last_token_at: float | None = None
+        # Its prompt's page hashes, for routing it where they are cached (computed only if two workers compete).
+        self._prompt = PromptPages(request.message.prompt_token_ids, request.message.cache_salt)
 
     # -- admission ------------------------------------------------------------------------------------------
 
@@ -127,7 +130,7 @@ class RequestSession:
         began = time.monotonic()
         try:
             worker = await self._services.admission.admit(request.model_name, request.tenant, request.priority,
-                                                          request.cost)  # fmt: skip
+                                                          request.cost, self._prompt)  # fmt: skip
         except Shed:
             await self._services.meter.record_shed(request.record_id, request.request_id, request.tenant_name or None,
                                                    request.model_name, request.priority)  # fmt: skip
@@ -170,7 +173,8 @@ class RequestSession:
             or sampling.frequency_penalty
         ):
             return None
-        return self._link.workers.pick(self.request.model_name, pool=Pool.PREFILL, generation=decode.generation)
+        return self._link.workers.pick(self.request.model_name, pool=Pool.PREFILL, generation=decode.generation,
+                                       prompt=self._prompt)  # fmt: skip
 
     def _start(self, kind: HopKind, worker: SchedulerState, message: AddRequest) -> None:
         self.hops.append(Hop(kind, worker))

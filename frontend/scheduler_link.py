@@ -42,6 +42,7 @@ from gpu_runtime.ipc.messages import (
     AddRequest,
     DrainWorker,
     FrontendHello,
+    KVEvents,
     LoadReport,
     RequestDelta,
     SchedulerReady,
@@ -72,6 +73,7 @@ class SchedulerLink:
         # With a daemon (a control channel), no worker is routed before the daemon's worker set says it serves.
         initial = WorkerState.STARTING if spec.control_address else WorkerState.SERVING
         self.workers = WorkerView(list(spec.schedulers), initial)
+        self.workers.prefix_weight = spec.prefix_routing_weight
         self.streams = RequestStreams()
         self._spec = spec
         self._log = log
@@ -86,6 +88,9 @@ class SchedulerLink:
         self.on_load: Callable[[SchedulerState, LoadReport], None] = lambda state, report: None
         self.rejected = RejectedMessages()  # what came in on the schedulers' channel and was refused
         self.on_lost: Callable[[SchedulerState], None] = lambda state: None
+        # A worker's KV events, after the prefix index took them; None: the worker is gone, and its pages with it
+        # (the frontend's publisher for routers outside the box).
+        self.on_kv_events: Callable[[SchedulerState, KVEvents | None], None] = lambda state, events: None
         # Every final delta whose request this link does not know: a request of a previous frontend, whose
         # scheduler aborted it when this frontend said hello (or that ended while no frontend was there), or
         # one this frontend already forgot. Its counts are the scheduler's authoritative ones; the same request
@@ -254,6 +259,8 @@ class SchedulerLink:
 
     def _lose(self, state: SchedulerState, reason: str) -> None:
         was_ready = state.is_ready
+        self.workers.prefix_index.forget(state.address.worker_id)  # its cache went with it (a reconnect resends it)
+        self.on_kv_events(state, None)
         state.ready = None
         state.load = None
         state.unresponsive = False
@@ -353,6 +360,9 @@ class SchedulerLink:
         elif isinstance(message, LoadReport):
             state.load, state.load_received_at = message, time.monotonic()
             self.on_load(state, message)
+        elif isinstance(message, KVEvents):
+            self.workers.prefix_index.apply(message)
+            self.on_kv_events(state, message)
 
     def _on_ready(self, state: SchedulerState, message: SchedulerReady) -> None:
         if not self._auth.ready_is_genuine(message.worker_id, message.incarnation, message.proof, message.kv_address):

@@ -3,7 +3,8 @@
 A worker takes new requests when the daemon's worker set says it is serving and its link is live (ready and
 reporting): the daemon's word is the only readiness source; a SchedulerReady says what the worker is and that it
 is alive, never that it may be routed. Routing goes by the sooner projected first token (see `routing_key`), among
-the workers the worker set routes a request to (its rollout's weights, a canary's share).
+the workers the worker set routes a request to (its rollout's weights, a canary's share); for a prompt, that
+includes computing what of it is not cached on the worker (`prefix_cost`, from the workers' KV events).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import zmq.asyncio
 
 from common.lanes import Pool, Role, WorkerState
 from frontend.control_messages import WorkerInfo, WorkerSet
+from frontend.prefix_index import PrefixIndex, PromptPages
 from frontend.spec import SchedulerAddress
 from frontend.worker_set_view import WorkerSetView
 from gpu_runtime.ipc.messages import LoadReport, SchedulerReady, StepOutputs
 from gpu_runtime.ipc.peer_auth import Session
 
 _MIN_STEP_S = 0.001  # a step's least cost in the routing key, for a worker with no step time reported yet
+_MIN_TOKEN_S = 1e-6  # a prompt token's least cost in the routing key
 
 
 @dataclass(eq=False)
@@ -107,6 +110,12 @@ class SchedulerState:
         step_s = max(self.load.mean_step_ms / 1e3 if self.load is not None else 0.0, _MIN_STEP_S)
         return (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported)), outstanding
 
+    def prefill_seconds(self, num_tokens: int) -> float:
+        """What computing `num_tokens` prompt tokens costs here, by the step-time model its reports carry (at
+        least _MIN_TOKEN_S a token, so that fewer tokens to compute still counts before that model is fitted)."""
+        per_token = self.load.seconds_per_token if self.load is not None else 0.0
+        return num_tokens * max(per_token, _MIN_TOKEN_S)
+
 
 class WorkerView:
     """Every worker the frontend knows, and the daemon's worker set they belong to."""
@@ -116,6 +125,8 @@ class WorkerView:
         # frontend without one).
         self.schedulers = [SchedulerState(address, initial_state) for address in addresses]
         self.worker_set = WorkerSetView()  # the daemon's latest WorkerSet, as routing reads it
+        self.prefix_index = PrefixIndex()  # which prompt pages each worker holds, from its KV events
+        self.prefix_weight = 1.0  # the prefill of uncached tokens in the routing key (0: load alone)
 
     def find(self, worker_id: str) -> SchedulerState | None:
         return next((s for s in self.schedulers if s.address.worker_id == worker_id), None)
@@ -143,19 +154,31 @@ class WorkerView:
         generation: str | None = None,
         exclude: SchedulerState | None = None,
         has_room: Callable[[SchedulerState], bool] | None = None,
+        prompt: PromptPages | None = None,
     ) -> SchedulerState | None:
         """The one routing decision: the worker a request (or the next part of one) goes to, or None.
 
         Routed workers as the worker set splits them by `draw`; with `generation`, only workers of those weights
         (a prefill worker must match its decode worker's: pages of other weights are worthless there); never
         `exclude` (the worker a migration leaves); only those `has_room` lets through. Then the soonest first
-        token (`routing_key`)."""
+        token: `routing_key`, and with a `prompt` the prefill of what is not cached there (`prefix_cost`)."""
         if generation is not None:
             candidates = [s for s in self.ready(model_name, pool) if s.generation == generation]
         else:
             candidates = self.routed(model_name, draw) if pool is Pool.ROUTED else self.ready(model_name, pool)
         candidates = [s for s in candidates if s is not exclude and (has_room is None or has_room(s))]
-        return min(candidates, key=lambda s: s.routing_key, default=None)
+        if prompt is None or self.prefix_weight == 0 or len(candidates) < 2:
+            return min(candidates, key=lambda s: s.routing_key, default=None)
+        return min(candidates, key=lambda s: self.prefix_cost(s, prompt))
+
+    def prefix_cost(self, state: SchedulerState, prompt: PromptPages) -> tuple[float, int]:
+        """Prefix-aware routing's key (Dynamo's overlap-versus-load cost, in seconds): the wait its load
+        projects (`routing_key`), plus `prefix_weight` times the prefill of the prompt tokens not cached there. A
+        worker holding a prompt's pages wins while its queue costs less than computing them elsewhere; past that
+        the load term sends the prompt on, so one hot prefix never piles every request on one worker."""
+        wait_s, outstanding = state.routing_key
+        uncached = len(prompt.token_ids) - prompt.cached_tokens(self.prefix_index, state.address.worker_id, state.ready)
+        return wait_s + self.prefix_weight * state.prefill_seconds(uncached), outstanding
 
     def apply(self, message: WorkerSet) -> tuple[list[SchedulerState], list[SchedulerState], list[SchedulerState]]:
         """Takes the daemon's set; returns the workers it added, those it newly calls draining, and those it

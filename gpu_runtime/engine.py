@@ -24,6 +24,7 @@ from gpu_runtime.kv_cache.host_tier import HostPages, HostTier
 from gpu_runtime.kv_cache.kv_pool import KVPool
 from gpu_runtime.kv_cache.manager import KVCacheManager
 from gpu_runtime.kv_cache.page_budget import largest_chunk
+from gpu_runtime.kv_cache.page_hashes import model_salt
 from gpu_runtime.kv_cache.transfer import PageExport, export_pages, import_pages
 from gpu_runtime.kv_transfer.leases import KVLeases
 from gpu_runtime.memory_profile import load_model_and_pool
@@ -91,7 +92,7 @@ class LLMEngine:
         # Which weights these are; it salts the page hashes, so cached pages (and pages handed between workers)
         # never match across models or across two generations of one model's weights.
         self.generation = model_generation(model_dir)
-        salt = f"{self.model_name}:{self.generation}".encode()
+        salt = model_salt(self.model_name, self.generation)
         # A block table per KV group (one unless the model mixes sliding and global layers); where a group's layers
         # slide, its pages behind the window go back as a sequence moves on (Mistral 7B v0.1, Gemma's sliding layers).
         try:

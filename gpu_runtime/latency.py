@@ -55,6 +55,11 @@ class StepTimeModel:
         self.coefficients = (a, b, c)
         self._since_fit = 0
 
+    @property
+    def seconds_per_token(self) -> float:
+        """What one more token in a step costs (0 until the model is fitted)."""
+        return self.coefficients[1] if self.coefficients is not None else 0.0
+
     def predict(self, num_tokens: int, num_seqs: int) -> float:
         a, b, c = self.coefficients or (0.0, 0.0, 0.0)
         return a + b * num_tokens + c * num_seqs

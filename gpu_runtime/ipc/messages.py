@@ -13,6 +13,7 @@ from common.lanes import DrainAction, Role
 from gpu_runtime.ipc.enums import FinishReason, Priority
 from gpu_runtime.ipc.pooling import ModelPooling
 from gpu_runtime.ipc.sampling_params import SamplingDefaults, SamplingParams
+from gpu_runtime.kv_cache.kv_events import KVEvent
 
 # -- frontend -> scheduler --------------------------------------------------------------------------------
 
@@ -222,9 +223,23 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load", forbid_unknown_fields=
     kv_offloaded_pages: int = 0
     kv_loaded_pages: int = 0
     kv_host_pages: int = 0
+    # What one more token in a step costs, by the scheduler's fitted step-time model (0 until it is fitted): the
+    # frontend's price of the prompt tokens a worker would have to compute (prefix-aware routing).
+    seconds_per_token: float = 0.0
 
 
-ToFrontend = StepOutputs | SchedulerReady | LoadReport
+class KVEvents(msgspec.Struct, frozen=True, tag="kv_events", forbid_unknown_fields=True):
+    """What this worker's prefix cache gained and lost since the last (gpu_runtime/kv_cache/kv_events.py), sent
+    after the step (or the handover) that did it; with `snapshot`, everything it holds now, sent right after the
+    SchedulerReady that answers a hello (a new frontend knows nothing of it yet)."""
+
+    worker_id: str
+    incarnation: str
+    events: list[KVEvent]
+    snapshot: bool = False
+
+
+ToFrontend = StepOutputs | SchedulerReady | LoadReport | KVEvents
 
 # Upper bounds of LoadReport.iteration_token_counts' buckets: vLLM's for vllm:iteration_tokens_total.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -22,6 +22,7 @@ from collections import OrderedDict
 import msgspec
 import torch
 
+from gpu_runtime.kv_cache.kv_events import HOST_MEDIUM, KVEventLog
 from gpu_runtime.kv_cache.kv_pool import KVPool
 
 
@@ -89,12 +90,16 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._held: set[int] = set()  # slots an admission is about to load from: never reused meanwhile
         self._log: list[KVCopy] | None = [] if keep_log else None
+        self.events: KVEventLog | None = None  # what it gains and drops, when the worker reports its cache
         self.num_offloaded = 0  # pages copied to host
         self.num_loaded = 0  # pages copied back to the device
         self.num_dropped = 0  # host pages evicted by newer ones (or offloads with no slot to take)
 
     def __len__(self) -> int:
         return len(self._slot_of)
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._slot_of)
 
     def find(self, content_hash: bytes) -> int | None:
         return self._slot_of.get(content_hash)
@@ -122,6 +127,8 @@ class HostTier:
         self._hash_of[slot] = content_hash
         self._copy(KVCopy(True, page, slot))
         self.num_offloaded += 1
+        if self.events is not None:
+            self.events.stored(content_hash, None, [], HOST_MEDIUM)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -132,6 +139,8 @@ class HostTier:
         slot = self._slot_of.pop(victim)
         del self._hash_of[slot]
         self.num_dropped += 1
+        if self.events is not None:
+            self.events.removed(victim, HOST_MEDIUM)
         return slot
 
     def hold(self, slots: list[int]) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_runtime.kv_cache.host_tier import HostTier
+from gpu_runtime.kv_cache.kv_events import DEVICE_MEDIUM, HOST_MEDIUM, KVEventLog
 from gpu_runtime.kv_cache.page_allocator import PageAllocator
 from gpu_runtime.kv_cache.page_budget import pages_held_at_most
-from gpu_runtime.kv_cache.page_hashes import PageHasher
+from gpu_runtime.kv_cache.page_hashes import HASH_BYTES, PageHasher
 from gpu_runtime.sequence import BlockTable, Sequence
 
 
@@ -81,13 +82,43 @@ class KVCacheManager:
             raise ValueError("kv_offload_bytes: the host tier keeps the pages of models whose layers all attend "
                              "globally (one block table); this one has sliding-window layers")  # fmt: skip
         self.host = host_tier
-        if host_tier is not None:
-            self.allocator.on_evict = host_tier.offload
+        self.allocator.on_evict = self._evicted
+        self.events: KVEventLog | None = None  # what the prefix cache gains and loses, once report_events() asked
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = PageHasher(page_size, salt)
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of which found cached
         self.num_host_hit_tokens = 0  # of which found in the host tier
+
+    def report_events(self) -> KVEventLog:
+        """From now on, every page the prefix cache (or its host tier) gains or loses is an event in the log."""
+        self.events = KVEventLog()
+        if self.host is not None:
+            self.host.events = self.events
+        return self.events
+
+    def cached_hashes(self) -> dict[str, list[bytes]]:
+        """Every prompt page cached now, per medium (kv_events): what a frontend that says hello is told."""
+        cached = {DEVICE_MEDIUM: [key for key in self.allocator.cached_hashes() if len(key) == HASH_BYTES]}
+        if self.host is not None:
+            cached[HOST_MEDIUM] = self.host.cached_hashes()
+        return cached
+
+    def _evicted(self, page: int, key: bytes) -> None:
+        """An allocation evicts a cached page: it leaves the index (a first group's page: the others' are never
+        named), and goes to the host tier if there is one."""
+        if self.events is not None and len(key) == HASH_BYTES:
+            self.events.removed(key, DEVICE_MEDIUM)
+        if self.host is not None:
+            self.host.offload(page, key)
+
+    def register_page(self, page: int, content_hash: bytes, group: int = 0, parent: bytes | None = None,
+                      token_ids: list[int] = ()) -> None:  # fmt: skip
+        """Files an owned, full page of `group` under its content hash (kept as is where that content is cached
+        already); a first group's page is an event too, with its parent's hash and its tokens where known."""
+        stored = self.allocator.register(page, self._key(content_hash, group))
+        if stored and group == 0 and self.events is not None:
+            self.events.stored(content_hash, parent, list(token_ids), DEVICE_MEDIUM)
 
     @property
     def window(self) -> int | None:
@@ -216,21 +247,21 @@ class KVCacheManager:
             self.host.hold(match.host_slots)  # nor the host pages the allocations' own evictions go to
         seq.tables = [self._admitted_table(group, match.num_pages, num_tokens) for group in match.groups]
         if match.host_slots:
-            self._load_from_host(seq.tables[0], match)
+            self._load_from_host(seq, seq.tables[0], match)
         if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)
             self.num_host_hit_tokens += len(match.host_slots) * self.page_size
         return True
 
-    def _load_from_host(self, table: BlockTable, match: PrefixMatch) -> None:
+    def _load_from_host(self, seq: Sequence, table: BlockTable, match: PrefixMatch) -> None:
         """The host tier's pages of `match` into the fresh pages after the device ones, registered as cached (a hash
         already cached on the device stays that page's: the copy is then this sequence's alone)."""
         first = len(match.groups[0].page_ids)
         pages = table.page_ids[first : first + len(match.host_slots)]
         self.host.load(pages, match.host_slots)
-        for page, content_hash in zip(pages, match.hashes[first:], strict=False):
-            self.allocator.register(page, content_hash)
+        for index, page in enumerate(pages, start=first):
+            self._register_seq_page(seq, page, index, 0)
 
     def _fresh_pages(self, group: GroupMatch, num_tokens: int) -> int:
         """The pages a group's table needs beyond its cached and skipped ones to cover `num_tokens`."""
@@ -260,8 +291,16 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens // self.page_size, len(seq.page_hashes))
         for group, table in enumerate(seq.tables):
             for index in range(table.num_registered_pages, num_full):
-                self.allocator.register(table.page_ids[index], self._key(seq.page_hashes[index], group))
+                self._register_seq_page(seq, table.page_ids[index], index, group)
             table.num_registered_pages = max(table.num_registered_pages, num_full)
+
+    def _register_seq_page(self, seq: Sequence, page: int, index: int, group: int) -> None:
+        """register_page for the `index`-th page of `seq`, its parent and tokens from the sequence."""
+        parent = seq.page_hashes[index - 1] if index else None
+        tokens = (
+            seq.token_ids_range(index * self.page_size, (index + 1) * self.page_size) if self.events is not None else ()
+        )
+        self.register_page(page, seq.page_hashes[index], group, parent, tokens)
 
     def release_behind_window(self, seq: Sequence) -> None:
         """Gives back the pages of `seq` that no query of it will read again: in a group with a window, those whose

@@ -106,17 +106,22 @@ class PageAllocator:
 
     # -- content hashes -----------------------------------------------------------------------------
 
-    def register(self, page: int, content_hash: bytes) -> None:
-        """Records that an owned, full page holds the content `content_hash` names."""
+    def register(self, page: int, content_hash: bytes) -> bool:
+        """Records that an owned, full page holds the content `content_hash` names; False if it was cached already."""
         if self._ref_counts[page] == 0:
             raise ValueError(f"page {page} is free; only an owned page can be registered")
         if content_hash in self._page_of_hash or page in self._hash_of_page:
-            return  # the same content already cached elsewhere (computed twice at once); keep the first
+            return False  # the same content already cached elsewhere (computed twice at once); keep the first
         self._hash_of_page[page] = content_hash
         self._page_of_hash[content_hash] = page
+        return True
 
     def lookup(self, content_hash: bytes) -> int | None:
         return self._page_of_hash.get(content_hash)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every registered content hash, owned or free."""
+        return list(self._page_of_hash)
 
     def hash_of(self, page: int) -> bytes | None:
         return self._hash_of_page.get(page)

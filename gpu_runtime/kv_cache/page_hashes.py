@@ -5,6 +5,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+HASH_BYTES = 32  # SHA-256: what a page's content hash is (a KV group's key past the first is longer)
+
+
+def model_salt(model_name: str, generation: str) -> bytes:
+    """The salt of a served model's pages: its name and its weights' generation, so that cached pages (and pages
+    handed between workers, or indexed by the frontend) never match across models or across two generations."""
+    return f"{model_name}:{generation}".encode()
+
 
 def page_hash(parent: bytes, token_ids: list[int], salt: bytes = b"") -> bytes:
     """The hash of one full page: its parent's hash (b"" for the first page), then its salt, then its tokens.

@@ -78,7 +78,7 @@ def import_pages(kv: KVCacheManager, pool: KVPool, export: PageExport) -> int:
         allocator.free(present + pages)  # a failure part-way takes nothing: the chain as it was, the new pages empty
         raise
     for page, i in zip(pages, missing, strict=True):
-        allocator.register(page, export.page_hashes[i])
+        kv.register_page(page, export.page_hashes[i], parent=export.page_hashes[i - 1] if i else None)
         chain[i] = page
     allocator.free(chain[::-1])  # tail first into the LRU, so the chain's head stays cached longest
     return len(pages)

@@ -19,6 +19,7 @@ from gpu_runtime.ipc.messages import (
     AddRequest,
     DrainWorker,
     FrontendHello,
+    KVEvents,
     LoadReport,
     RequestDelta,
     SchedulerReady,
@@ -27,6 +28,7 @@ from gpu_runtime.ipc.messages import (
 )
 from gpu_runtime.ipc.peer_auth import PeerAuth
 from gpu_runtime.ipc.rejected_messages import RejectedMessages
+from gpu_runtime.kv_cache.kv_events import PagesStored
 from gpu_runtime.kv_transfer.puller import PagesPulled
 from gpu_runtime.kv_transfer.server import LeasePulled
 from gpu_runtime.step_failure import StepOutOfMemory
@@ -85,6 +87,7 @@ class SchedulerLoop:
         # No deltas: what the output thread sends during a long step, so the frontend hears this scheduler is busy.
         self._keepalive = StepOutputs(spec.worker_id, self.incarnation, [])
         self._drain_deadline = 0.0
+        self._kv_events = engine.kv.report_events()  # for the frontend's prefix index, sent after each step
 
     def stop(self) -> None:
         self._stopping.set()
@@ -105,6 +108,7 @@ class SchedulerLoop:
                 if self.engine.step_failure is not None:
                     self._log_step_failure(self.engine.step_failure)
                 self._send_deltas(deltas)
+            self._send_kv_events()
             self._report_when_due()
             if self._drain is not None:
                 self._drain_when_done()
@@ -114,6 +118,12 @@ class SchedulerLoop:
             deltas = self.handover.finished(deltas)
         if deltas:
             self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, deltas))
+
+    def _send_kv_events(self) -> None:
+        """The prefix cache's changes since the last call (a step's, or a handover's imported pages)."""
+        events = self._kv_events.take()
+        if events:
+            self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, events))
 
     def _has_work(self) -> bool:
         """Requests running here, or waiting for their pages, or pages leased to a decode worker."""
@@ -244,6 +254,10 @@ class SchedulerLoop:
             self._orphan_all("frontend_changed")
         self._frontend_id = frontend_id
         self._outbox.send(self._ready())
+        # Everything cached now (the changes not sent yet are in it): the new frontend's index starts from this.
+        self._kv_events.take()
+        cached = [PagesStored(hashes, None, [], medium) for medium, hashes in self.engine.kv.cached_hashes().items()]
+        self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, cached, snapshot=True))
         if self._orphan_finals:
             # After the ready: the frontend takes outputs only from an incarnation it has seen say ready.
             self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, self._orphan_finals))
@@ -335,6 +349,7 @@ class SchedulerLoop:
                 kv_offloaded_pages=snapshot.kv_offloaded_pages,
                 kv_loaded_pages=snapshot.kv_loaded_pages,
                 kv_host_pages=snapshot.kv_host_pages,
+                seconds_per_token=self.engine.scheduler.policy.model.seconds_per_token,
             )
         )
         # The daemon's watchdog reads this file's age: it only moves while this loop does.

@@ -17,8 +17,9 @@ TIER_MARKERS = {
 _FAST = """
     admission_hints autoscale_inputs autoscale_policy chat_template config_reload control_channel error_interceptor
     gateway_keepalive gguf_malformed grafana_dashboard health_states host_tier iteration_tokens kv_groups kv_leases
-    kv_pull_transports model_config page_allocator page_allocator_cases pooling_config proto_api rollout_plan routing
-    sampling_params scaling_plan scheduler scheduler_keepalive scheduler_state_machine text_stream window_pages
+    kv_pull_transports model_config page_allocator page_allocator_cases pooling_config prefix_routing proto_api
+    rollout_plan routing sampling_params scaling_plan scheduler scheduler_keepalive scheduler_state_machine text_stream
+    window_pages
 """
 _ENGINE = """
     attention_backends cpu_weights engine_exactness engine_phase_timings engine_requests generation_defaults gguf gpu

@@ -143,6 +143,21 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
              "prefill of its prompt tokens not cached there is least (from the workers' KV events); 0: by the wait "
              "alone (least loaded)"),
     ] = 1.0  # fmt: skip
+    enable_kv_cache_events: Annotated[
+        bool,
+        _doc("publish the box's KV cache events (pages stored and removed, with their tokens) in vLLM's wire format "
+             "for routers outside it (llm-d, Dynamo): a ZeroMQ PUB socket at --kv-events-endpoint and a replay "
+             "socket at --kv-events-replay-endpoint"),
+    ] = False  # fmt: skip
+    kv_events_endpoint: Annotated[
+        str, _doc("where the KV events' PUB socket binds (tcp:// or ipc://); the events carry prompt tokens")
+    ] = "tcp://127.0.0.1:5557"
+    kv_events_replay_endpoint: Annotated[
+        str, _doc("where the ROUTER socket answering replay requests binds; empty: none")
+    ] = "tcp://127.0.0.1:5558"
+    kv_events_topic: Annotated[str, _doc("the topic of the KV events' messages ({model} becomes the model's name)")] = (
+        ""
+    )
     kv_lease_seconds: Annotated[
         float, _doc("seconds a prefill worker keeps a prompt's KV pages for a decode worker that has not pulled them")
     ] = 30.0
@@ -199,6 +214,11 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, _is_number(value) and value >= 0, "seconds >= 0", value)
         _check("disagg_min_prompt_tokens", _is_int(self.disagg_min_prompt_tokens) and self.disagg_min_prompt_tokens
                >= 0, "an integer >= 0", self.disagg_min_prompt_tokens)  # fmt: skip
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, key)
+            _check(key, isinstance(endpoint, str) and (endpoint.startswith(("tcp://", "ipc://")) or
+                                                       (key == "kv_events_replay_endpoint" and not endpoint)),
+                   "a tcp:// or ipc:// address", endpoint)  # fmt: skip
         _check("prefix_routing_weight", _is_number(self.prefix_routing_weight) and self.prefix_routing_weight >= 0,
                "a number >= 0", self.prefix_routing_weight)  # fmt: skip
         self._take_enums()

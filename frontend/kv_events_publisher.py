@@ -66,20 +66,22 @@ class BoxCache:
     """The union of the workers' caches, by (hash, medium): which pages the box as a whole gains and loses as each
     worker's events come (the part of the publisher with no sockets)."""
 
-    def __init__(self, page_size: int = 16):
-        self.page_size = page_size
+    def __init__(self) -> None:
         self._held: dict[str, set[tuple[bytes, str]]] = {}  # worker -> (hash, medium) it holds
         self._holders: collections.Counter[tuple[bytes, str]] = collections.Counter()
 
-    def changes(self, worker_id: str, message: KVEvents | None) -> list[BlockStored | BlockRemoved]:
-        """The box-level events of one worker's message (None: the worker is gone, and its cache with it)."""
+    def changes(
+        self, worker_id: str, message: KVEvents | None, page_size: int = 16
+    ) -> list[BlockStored | BlockRemoved]:
+        """The box-level events of one worker's message (None: the worker is gone, and its cache with it); its
+        pages hold `page_size` tokens each."""
         held = self._held.setdefault(worker_id, set())
         out: list[BlockStored | BlockRemoved] = []
         if message is None or message.snapshot:
             out += self._drop(held, list(held))
         for event in message.events if message is not None else ():
             if isinstance(event, PagesStored):
-                out += self._store(held, event)
+                out += self._store(held, event, page_size)
             elif isinstance(event, PagesRemoved):
                 out += self._drop(held, [(h, event.medium) for h in event.hashes])
             elif isinstance(event, AllPagesCleared):
@@ -88,7 +90,7 @@ class BoxCache:
             del self._held[worker_id]
         return out
 
-    def _store(self, held: set[tuple[bytes, str]], event: PagesStored) -> list[BlockStored]:
+    def _store(self, held: set[tuple[bytes, str]], event: PagesStored, size: int) -> list[BlockStored]:
         """The runs of the event's pages that are new to the box, each with the hash before it as its parent."""
         stored, run, parent = [], [], event.parent
         for i, content_hash in enumerate(event.hashes):
@@ -99,14 +101,14 @@ class BoxCache:
                 if self._holders[key] == 1:
                     run.append(i)
                     continue
-            stored += self._run(event, run, parent)
+            stored += self._run(event, run, parent, size)
             run, parent = [], content_hash
-        return stored + self._run(event, run, parent)
+        return stored + self._run(event, run, parent, size)
 
-    def _run(self, event: PagesStored, run: list[int], parent: bytes | None) -> list[BlockStored]:
+    @staticmethod
+    def _run(event: PagesStored, run: list[int], parent: bytes | None, size: int) -> list[BlockStored]:
         if not run:
             return []
-        size = self.page_size
         tokens = event.token_ids[run[0] * size : (run[-1] + 1) * size] if event.token_ids else []
         parent_hash = external_hash(parent) if parent is not None else None
         return [BlockStored([external_hash(event.hashes[i]) for i in run], parent_hash, tokens, size, None,
@@ -128,20 +130,24 @@ class BoxCache:
 class KVEventsPublisher:
     """The PUB and replay sockets; `publish` is called from the frontend's loop with each worker's events."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, topic: str, page_size: int, log):
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str, log):
         self._log = log
         self._context = zmq.asyncio.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.set_hwm(100_000)
-        self._pub.bind(endpoint)
-        self._replay = None
-        if replay_endpoint:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-        self._topic = topic.encode()
-        self._box = BoxCache(page_size)
+        try:
+            self._pub = self._context.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.set_hwm(100_000)
+            self._pub.bind(endpoint)
+            self._replay = None
+            if replay_endpoint:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._context.destroy(linger=0)
+            raise
+        self._topic = topic  # "{model}" in it becomes the model's name
+        self._box = BoxCache()
         self._encoder = msgspec.msgpack.Encoder()
         self._sequence = 0
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BUFFER)
@@ -156,15 +162,17 @@ class KVEventsPublisher:
             self._task.cancel()
         self._context.destroy(linger=0)
 
-    def publish(self, worker_id: str, message: KVEvents | None) -> None:
-        events = self._box.changes(worker_id, message)
+    def publish(self, model_name: str, worker_id: str, page_size: int, message: KVEvents | None) -> None:
+        """One worker's events (None: it is gone), as the box's batch of the changes they make."""
+        events = self._box.changes(worker_id, message, page_size)
         if not events:
             return
         payload = self._encoder.encode(KVEventBatch(time.time(), events))
         sequence, self._sequence = self._sequence, self._sequence + 1
         self._buffer.append((sequence, payload))
-        with contextlib.suppress(zmq.Again):  # no subscriber keeps up: it asks for a replay
-            self._pub.send_multipart((self._topic, sequence.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+        topic = self._topic.replace("{model}", model_name).encode()
+        with contextlib.suppress(zmq.Again):  # a subscriber that falls behind asks for a replay
+            self._pub.send_multipart((topic, sequence.to_bytes(8, "big"), payload), zmq.NOBLOCK)
 
     async def _serve_replays(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import asyncio
 import signal
 
 import grpc
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.listening import mark_listening
@@ -17,6 +18,7 @@ from frontend.control_link import ControlLink
 from frontend.error_interceptor import ErrorInterceptor
 from frontend.generation_service import GenerationService
 from frontend.grpc_reflection import enable_reflection
+from frontend.kv_events_publisher import KVEventsPublisher
 from frontend.lifecycle import Lifecycle
 from frontend.metering import Meter
 from frontend.metrics import FrontendMetrics
@@ -65,6 +67,18 @@ async def serve(spec: FrontendSpec, log) -> None:
     meter = Meter(ledger, metrics, log)
     admission = AdmissionController(link, spec.admission, metrics, spec.tenants)
     tokenize = TokenizePool()
+    publisher = None
+    if spec.kv_events_endpoint:  # the box's KV events for routers outside it
+        try:
+            publisher = KVEventsPublisher(spec.kv_events_endpoint, spec.kv_events_replay_endpoint,
+                                          spec.kv_events_topic, log)  # fmt: skip
+        except zmq.ZMQError as error:
+            raise PortInUse(f"kv_events_endpoint: cannot bind {spec.kv_events_endpoint} or "
+                            f"{spec.kv_events_replay_endpoint} ({error})") from None  # fmt: skip
+        publisher.start()
+        link.on_kv_events = lambda state, events: publisher.publish(
+            state.address.model_name, state.address.worker_id, state.ready.page_size if state.ready else 16, events
+        )
     # A request of our crashed predecessor ended on its scheduler: its interrupted row gets the final counts.
     link.on_orphan_finished = lambda state, delta: meter.settle_orphan(delta)
 
@@ -148,6 +162,8 @@ async def serve(spec: FrontendSpec, log) -> None:
     generation.grammars.close()
     if control is not None:
         control.close()
+    if publisher is not None:
+        publisher.close()
     link.close()
     ledger.close()
     log.info("frontend_stopped")

@@ -161,6 +161,10 @@ class FrontendSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     disagg_min_prompt_tokens: int = 64
     # Prefix-aware routing: the weight of the prefill of a prompt's uncached tokens in the routing key (0: none).
     prefix_routing_weight: float = 1.0
+    # The box's KV events for routers outside it (frontend/kv_events_publisher.py): "" = not published.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
     # The boot's local admin token (daemon.admin_token) as its hex SHA-256, and the file the CLI reads the token
     # from (named in a refusal). With no tenants, Drain and Rollout need it; with tenants it is an admin's key.
     # "" = none (a frontend run alone): with no tenants those RPCs are then refused to everyone.

@@ -25,7 +25,9 @@ from gpu_runtime.ipc.messages import LoadReport, SchedulerReady, StepOutputs
 from gpu_runtime.ipc.peer_auth import Session
 
 _MIN_STEP_S = 0.001  # a step's least cost in the routing key, for a worker with no step time reported yet
-_MIN_TOKEN_S = 1e-6  # a prompt token's least cost in the routing key
+# A prompt token's cost in the routing key until some worker's step-time model is fitted (its first few steps): a
+# small model's on a CPU, a large one's on a GPU, both within a few times of it.
+_DEFAULT_TOKEN_S = 1e-4
 
 
 @dataclass(eq=False)
@@ -110,11 +112,10 @@ class SchedulerState:
         step_s = max(self.load.mean_step_ms / 1e3 if self.load is not None else 0.0, _MIN_STEP_S)
         return (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported)), outstanding
 
-    def prefill_seconds(self, num_tokens: int) -> float:
-        """What computing `num_tokens` prompt tokens costs here, by the step-time model its reports carry (at
-        least _MIN_TOKEN_S a token, so that fewer tokens to compute still counts before that model is fitted)."""
-        per_token = self.load.seconds_per_token if self.load is not None else 0.0
-        return num_tokens * max(per_token, _MIN_TOKEN_S)
+    @property
+    def seconds_per_token(self) -> float:
+        """A prompt token's cost here by the step-time model its load reports carry; 0 until it is fitted."""
+        return self.load.seconds_per_token if self.load is not None else 0.0
 
 
 class WorkerView:
@@ -169,16 +170,18 @@ class WorkerView:
         candidates = [s for s in candidates if s is not exclude and (has_room is None or has_room(s))]
         if prompt is None or self.prefix_weight == 0 or len(candidates) < 2:
             return min(candidates, key=lambda s: s.routing_key, default=None)
-        return min(candidates, key=lambda s: self.prefix_cost(s, prompt))
+        # A worker whose step-time model is not fitted yet is priced as its peers are (they run the same model).
+        fallback = max((s.seconds_per_token for s in candidates), default=0.0) or _DEFAULT_TOKEN_S
+        return min(candidates, key=lambda s: self.prefix_cost(s, prompt, s.seconds_per_token or fallback))
 
-    def prefix_cost(self, state: SchedulerState, prompt: PromptPages) -> tuple[float, int]:
+    def prefix_cost(self, state: SchedulerState, prompt: PromptPages, seconds_per_token: float) -> tuple[float, int]:
         """Prefix-aware routing's key (Dynamo's overlap-versus-load cost, in seconds): the wait its load
         projects (`routing_key`), plus `prefix_weight` times the prefill of the prompt tokens not cached there. A
         worker holding a prompt's pages wins while its queue costs less than computing them elsewhere; past that
         the load term sends the prompt on, so one hot prefix never piles every request on one worker."""
         wait_s, outstanding = state.routing_key
         uncached = len(prompt.token_ids) - prompt.cached_tokens(self.prefix_index, state.address.worker_id, state.ready)
-        return wait_s + self.prefix_weight * state.prefill_seconds(uncached), outstanding
+        return wait_s + self.prefix_weight * uncached * seconds_per_token, outstanding
 
     def apply(self, message: WorkerSet) -> tuple[list[SchedulerState], list[SchedulerState], list[SchedulerState]]:
         """Takes the daemon's set; returns the workers it added, those it newly calls draining, and those it

@@ -23,15 +23,22 @@ from frontend.scheduler_link import SchedulerLink, SchedulerState
 from frontend.spec import FrontendSpec
 
 TICK_S = 1.0
+EXPORT_MAX_WORKERS = 1000  # the ceiling of an exported decision: the pods' own autoscaler has the real one
 
 
 class Autoscaler:
+    """With autoscale_max_workers set, it scales the box's workers (the daemon acts on its decisions); without, it
+    only exports them (`tokend:desired_replicas`) for an HPA or KEDA scaling pods across machines: then the floor
+    is 0, so that a pod whose load has been quiet for the delay says its share fits on the others (the pods'
+    values add up to the pods needed: docs/deploy/kubernetes.md, "Autoscaling pods")."""
+
     def __init__(self, spec: FrontendSpec, link: SchedulerLink, admission: AdmissionController,
                  control: ControlLink, metrics: FrontendMetrics, log):  # fmt: skip
         settings = spec.autoscale
+        self._acts = settings.enabled
         self._policy = AutoscalePolicy(
-            max_workers=settings.autoscale_max_workers,
-            min_workers=settings.autoscale_min_workers,
+            max_workers=settings.autoscale_max_workers if self._acts else EXPORT_MAX_WORKERS,
+            min_workers=settings.autoscale_min_workers if self._acts else 0,
             min_standby=settings.min_standby,
             ttft_fraction=settings.autoscale_ttft_fraction,
             quiet_fraction=settings.autoscale_ttft_fraction / 2,  # quiet well under the bound, whatever it is
@@ -111,7 +118,8 @@ class Autoscaler:
                        queue_depth=snapshot.queue_depth, queue_wait_s=round(snapshot.queue_wait_s, 3),
                        effective_ttft_s=round(snapshot.effective_ttft_s, 3))  # fmt: skip
         self._sent[(model, role)] = (decision.desired, standby)
-        await self._control.scale(model, decision.desired, standby, decision.reason, role.pool)
+        if self._acts:
+            await self._control.scale(model, decision.desired, standby, decision.reason, role.pool)
 
     def _view(self, model: str, role: Role, workers: list[SchedulerState], arrivals: ArrivalWindow,
               now: float) -> PoolView:  # fmt: skip

@@ -127,6 +127,13 @@ class BoxCache:
         return [BlockRemoved(hashes, medium) for medium, hashes in gone.items()]
 
 
+def binds(endpoint: str) -> bool:
+    """Whether the PUB socket binds `endpoint` or connects to it, as vLLM decides (a wildcard or ipc:// binds, a
+    router's address is connected to), loopback addresses bound too: tokend's default is to serve them locally."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return not endpoint.startswith("tcp://") or host in ("*", "::", "0.0.0.0", "127.0.0.1", "::1", "localhost")
+
+
 class KVEventsPublisher:
     """The PUB and replay sockets; `publish` is called from the frontend's loop with each worker's events."""
 
@@ -137,7 +144,10 @@ class KVEventsPublisher:
             self._pub = self._context.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.set_hwm(100_000)
-            self._pub.bind(endpoint)
+            if binds(endpoint):
+                self._pub.bind(endpoint)
+            else:  # a router's address (llm-d's EPP binds the SUB side): the events go to it
+                self._pub.connect(endpoint)
             self._replay = None
             if replay_endpoint:
                 self._replay = self._context.socket(zmq.ROUTER)

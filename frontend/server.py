@@ -118,7 +118,7 @@ async def serve(spec: FrontendSpec, log) -> None:
         await control.start()
     admin.control = control
     autoscaling = None
-    if control is not None and spec.autoscale.enabled:
+    if control is not None:  # it scales the box's workers, or (autoscale_max_workers 0) exports its decisions
         autoscaler = admin.autoscaler = Autoscaler(spec, link, admission, control, metrics, log)
         inputs = autoscaler.inputs
         generation.on_finished = inputs.request_finished

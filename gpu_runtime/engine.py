@@ -104,7 +104,7 @@ class LLMEngine:
         # Prompts' pages pinned for decode workers to pull (a prefill worker's; disaggregated serving).
         self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(config, self.kv)  # an EngineConfig is a SchedulerConfig
-        self.runner = ModelRunner(model, pool, self.device, channel)
+        self.runner = ModelRunner(model, pool, self.device, channel, self.kv.host.pages if self.kv.host else None)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
@@ -370,6 +370,8 @@ class LLMEngine:
 
     def export_prefix(self, token_ids: list[int]) -> PageExport:
         """The K/V of the longest cached prefix of `token_ids`, as tensors plus page hashes."""
+        if self.runner.host_pages is not None:  # pages loaded from the host tier are read after their copies
+            self.runner.host_pages.before_forward()
         return export_pages(self.kv, self.runner.pool, self.kv.lookup(self.kv.hasher.hash_tokens(token_ids)))
 
     def import_prefix(self, export: PageExport) -> int:

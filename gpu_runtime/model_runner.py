@@ -39,7 +39,9 @@ class ModelRunner:
         self.pool = pool
         self.device = device
         self.channel = channel
-        self.host_pages = host_pages  # a tensor-parallel rank's part of the host KV tier: it replays rank 0's copies
+        # The host KV tier's bytes (gpu_runtime/kv_cache/host_tier.py): its copies finish before each forward; a
+        # tensor-parallel rank other than 0 replays rank 0's copies into its own.
+        self.host_pages = host_pages
         self.forward_seconds = 0.0  # time inside forward + logits, for the efficiency figure
 
     def prepare(self, step: SchedulerOutput, kv_copies: list[KVCopy] = ()) -> StepInputs:
@@ -69,6 +71,8 @@ class ModelRunner:
         synchronisation, so this time is the host's (launching the kernels) there, and the whole forward on CPU.
         """
         started = time.perf_counter()
+        if self.host_pages is not None:
+            self.host_pages.before_forward()
         hidden = self.model(inputs.input_ids, inputs.positions, self.pool.layers, inputs.meta)
         # Every rank alike (the plan's logits rows are the same everywhere): a step of embeddings only samples nothing.
         logits = None

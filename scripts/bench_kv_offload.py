@@ -98,9 +98,14 @@ def conversations(args, seed: int) -> list[list[Turn]]:
     return clients
 
 
+def make_engine(model_dir: Path, pool_bytes: int, offload_bytes: int, args) -> LLMEngine:
+    config = EngineConfig(model=str(model_dir), device=args.device, page_size=PAGE_SIZE, kv_cache_bytes=pool_bytes,
+                          kv_offload_bytes=offload_bytes, max_num_seqs=args.concurrency)  # fmt: skip
+    return LLMEngine(config)
+
+
 def multi_turn(model_dir: Path, pool_bytes: int, offload_bytes: int, args) -> dict:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), page_size=PAGE_SIZE, kv_cache_bytes=pool_bytes,
-                                    kv_offload_bytes=offload_bytes, max_num_seqs=args.concurrency))  # fmt: skip
+    engine = make_engine(model_dir, pool_bytes, offload_bytes, args)
     records, seconds = run_closed_loop(engine, conversations(args, seed=1), args.output_tokens)
     revisits = [r for r in records if r["revisit"]]
     ttfts = sorted(r["first"] - r["sent"] for r in revisits)
@@ -122,8 +127,7 @@ def multi_turn(model_dir: Path, pool_bytes: int, offload_bytes: int, args) -> di
 
 
 def no_reuse(model_dir: Path, pool_bytes: int, offload_bytes: int, args) -> dict:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), page_size=PAGE_SIZE, kv_cache_bytes=pool_bytes,
-                                    kv_offload_bytes=offload_bytes, max_num_seqs=args.concurrency))  # fmt: skip
+    engine = make_engine(model_dir, pool_bytes, offload_bytes, args)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.system_tokens)] for _ in range(args.distinct_prompts)]
     clients = [[(i, prompts[i]) for i in range(c, len(prompts), args.concurrency)] for c in range(args.concurrency)]
@@ -142,6 +146,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--pool-pages", type=int, default=256, help="the device KV pool, in pages of 16 tokens")
+    parser.add_argument("--device", default="auto", help="auto (cuda when present: a pinned host tier), cpu, cuda")
     args = parser.parse_args()
     args.conversations, args.turns = (8, 3) if args.quick else (12, 4)
     args.user_tokens, args.output_tokens = 32, 16
@@ -166,6 +171,7 @@ def main() -> None:
     off_speed = statistics.mean([reuse["off"]["tokens_per_s"], reuse["off_again"]["tokens_per_s"]])
     emit_json({
         "benchmark": "kv_offload",
+        "device": args.device,
         "model": {**MODEL_SHAPE, "page_size": PAGE_SIZE},
         "device_pool_pages": args.pool_pages,
         "host_tier_pages": 4 * args.pool_pages,

@@ -3,8 +3,9 @@ each pinned to its own core (`--device cpu@0,cpu@1`), serving the default model;
 
 - multi-turn: conversations (each opening with one of a few shared system prompts and a document of its own) arrive
   as a Poisson process at about 70% of the measured capacity; each sends its next turn (its history, the last reply
-  and a new user message) when the previous one finished. Reported per routing: TTFT p50/p99, output throughput, and the prefix-cache hit
-  rate (cached over prompt tokens, from every response's usage).
+  and a new user message) when the previous one finished. Reported per routing: TTFT p50/p99, output throughput,
+  and the prefix-cache hit rate (cached over prompt tokens, from every response's usage). Each worker's KV pool
+  holds 3/4 of the conversations' histories: they fit the two pools once each, not twice.
 - skewed: one hot system prompt for every request, sent faster than one worker serves: the split of requests between
   the workers shows the load term keeping the hot prefix from piling on the worker that holds it.
 
@@ -147,9 +148,23 @@ async def skewed(address: str, args, rate: float) -> Results:
 
 
 def serve(weight: float, args) -> LocalDaemon:
-    return LocalDaemon("--model", DEFAULT_MODEL_NAME, "--device", "cpu@0,cpu@1", "--max-num-seqs",
-                       str(args.max_num_seqs), "--prefix-routing-weight", str(weight), *NO_SHEDDING,
-                       env={"TOKEND_DEBUG": "0"})  # fmt: skip
+    flags = ["--model", DEFAULT_MODEL_NAME, "--device", "cpu@0,cpu@1", "--max-num-seqs", str(args.max_num_seqs),
+             "--prefix-routing-weight", str(weight), "--kv-cache-bytes", str(args.kv_cache_bytes)]  # fmt: skip
+    return LocalDaemon(*flags, *NO_SHEDDING, env={"TOKEND_DEBUG": "0"})
+
+
+def kv_cache_bytes(args) -> int:
+    """Each worker's KV pool: 3/4 of the trace's whole working set (every conversation's final history), so that the
+    conversations fit the two pools once each but not twice: the regime where routing decides what stays cached
+    (least-loaded routing keeps a conversation's history on both workers, evicting others')."""
+    from gpu_runtime.default_model import resolve_model_dir
+    from gpu_runtime.model.config import load_model_config
+
+    config = load_model_config(resolve_model_dir(DEFAULT_MODEL_NAME))
+    per_token = config.kv_elements_per_token * 4  # float32 on a CPU
+    words = args.system_words + args.document_words + args.turns * args.user_words
+    tokens_per_conversation = 1.5 * words + args.turns * (args.output_tokens + 20)  # ~1.5 tokens a word, templates
+    return int(0.75 * args.conversations * tokens_per_conversation * per_token)
 
 
 def split(daemon: LocalDaemon, since: int) -> dict[str, int]:
@@ -166,6 +181,7 @@ def main() -> None:
     args.system_prompts, args.system_words, args.document_words = 4, 150, 400
     args.user_words, args.output_tokens = 30, 24
     args.max_num_seqs, args.skewed_requests = 8, 24 if args.quick else 48
+    args.kv_cache_bytes = kv_cache_bytes(args)
     runs = {}
     for name, weight in (("prefix_aware", 1.0), ("least_loaded", 0.0)):
         with serve(weight, args) as daemon:
@@ -188,6 +204,7 @@ def main() -> None:
         "machine": machine_facts(),
         "model": DEFAULT_MODEL_NAME,
         "workers": "2, pinned: cpu@0, cpu@1",
+        "kv_cache_bytes_per_worker": args.kv_cache_bytes,
         "conversations": args.conversations, "turns": args.turns, "system_prompts": args.system_prompts,
         "capacity_conversations_per_s": round(runs["capacity"], 4),
         "arrival_rate_conversations_per_s": round(0.7 * runs["capacity"], 4),

@@ -196,3 +196,22 @@ def test_a_declared_peak_holds_a_warm_prefill_worker_on_the_spare_prefill_group(
         assert standby.role == "prefill"
         decisions = {d.role: d for d in loads.autoscale}
         assert decisions["prefill"].desired_standby == 1 and decisions["prefill"].peak_requests_per_second == 1000
+
+
+def test_with_no_spare_group_the_decision_is_exported_for_an_hpa_rising_with_a_burst_and_falling_after():
+    """A one-worker pod (no spare groups, no --autoscale-max-workers) scales nothing itself, but still exports what
+    its load needs, for KEDA or an HPA across pods: more than this pod under a burst, and back to this pod once quiet
+    for the delay (the slow loop's forecast of the burst's rate holds it there; with no load for the forecast's
+    history it goes to 0: its share fits on the other pods). Nothing is started or promoted in the box."""
+    flags = ["--model", TINY_RANDOM_MODEL_NAME, "--max-num-seqs", "4", "--interactive-ttft-target", "30",
+             "--autoscale-scale-down-delay", str(QUIET_DELAY_S)]  # fmt: skip
+    with Daemon(*flags) as daemon:
+        daemon.wait_for(lambda: _desired(daemon) == 1, timeout=60)
+        until = threading.Event()
+        threads, results, failures = _burst(daemon, max_tokens=200, until=until)
+        daemon.wait_for(lambda: _desired(daemon) >= 2, timeout=60)  # the queue passes the pod's slots
+        _end(threads, until)
+        assert failures == [] and set(results) == {("length", 200)}
+        daemon.wait_for(lambda: _desired(daemon) == 1, timeout=60 + QUIET_DELAY_S)
+        assert list(_states(daemon).values()) == ["serving"]
+        assert daemon.log_entries("worker_starting") == [] and daemon.log_entries("worker_promoted") == []

@@ -6,9 +6,9 @@ its content registered under its hash. HostTier copies it into a host slot at th
 the page again, and files the slot under the same hash, so tenant and weight-generation salts hold in this tier as
 in the first. A lookup that runs out of device pages goes on in the host tier; the pages it finds are copied into
 fresh device pages at admission and registered there, so the prefill that follows reads them like any cached page.
-On CUDA both copies are queued on the current stream: ordered after the kernels that wrote the page and before the
-forward that reads it, without the host waiting. The host tier has its own LRU, and a slot is never reused while a
-copy still reads from it (`hold`).
+On CUDA both copies run on a copy stream of their own (HostPages), after the kernels that wrote the page and
+before the kernels that read or rewrite it, without the host waiting. The host tier has its own LRU, and a slot is
+never reused while a copy still reads from it (`hold`).
 
 Under tensor parallelism each rank keeps the host copies of its own heads: rank 0 decides, and its copies go to the
 other ranks in order with the step's plan (`take_log`; StepPlan.kv_copies), which they replay before its forward.
@@ -17,7 +17,9 @@ The tier is process memory: a restarted worker starts with it empty.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -40,8 +42,13 @@ class HostPages:
 
     def __init__(self, pool: KVPool, num_slots: int):
         self.num_slots = num_slots
-        pin = pool.layers[0][0].device.type == "cuda"
+        device = pool.layers[0][0].device
+        pin = device.type == "cuda"
         self._pairs = [(k, v, _host_like(k, num_slots, pin), _host_like(v, num_slots, pin)) for k, v in _tensors(pool)]
+        # On CUDA the copies run on a stream of their own, overlapping the compute stream's work; each waits for
+        # the kernels queued before it (that wrote its page), and the next forward waits for them (`before_forward`).
+        self._stream = torch.cuda.Stream(device) if pin else None
+        self._copies_queued = False
 
     @staticmethod
     def page_bytes(pool: KVPool) -> int:
@@ -52,14 +59,36 @@ class HostPages:
     # pinned memory that an earlier copy to host may not have reached yet.
 
     def to_host(self, page: int, slot: int) -> None:
-        for k, v, host_k, host_v in self._pairs:
-            host_k[slot].copy_(k[page], non_blocking=True)
-            host_v[slot].copy_(v[page], non_blocking=True)
+        with self._copy_stream():
+            for k, v, host_k, host_v in self._pairs:
+                host_k[slot].copy_(k[page], non_blocking=True)
+                host_v[slot].copy_(v[page], non_blocking=True)
+        # The page is handed out to be written next (a forward, or a handover's import): whatever the compute stream
+        # queues from now on waits for this copy (on the device: the host goes on).
+        self.before_forward()
 
     def to_device(self, page: int, slot: int) -> None:
-        for k, v, host_k, host_v in self._pairs:
-            k[page].copy_(host_k[slot], non_blocking=True)
-            v[page].copy_(host_v[slot], non_blocking=True)
+        with self._copy_stream():
+            for k, v, host_k, host_v in self._pairs:
+                k[page].copy_(host_k[slot], non_blocking=True)
+                v[page].copy_(host_v[slot], non_blocking=True)
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        if self._stream is None:  # a CPU pool: plain memcpys, done when the call returns
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            yield
+        self._copies_queued = True
+
+    def before_forward(self) -> None:
+        """Makes the compute stream wait for the copies queued since the last call: a page loaded from host is read,
+        and a page copied to host is written again, only after its copy."""
+        if self._copies_queued:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._copies_queued = False
 
     def replay(self, copies: list[KVCopy]) -> None:
         """Another rank's copies, in rank 0's order (a page's copy to host before a later load into it)."""

@@ -363,6 +363,20 @@ def tensor_parallel(device: str, dry_run: bool) -> dict:
     return {"ok": bool(report["rows"]), "command": flags, "rows": report["rows"]}
 
 
+def kv_offload(device: str, dry_run: bool) -> dict:
+    """scripts/bench_kv_offload.py: revisited prefixes' TTFT with the host KV tier (pinned host memory, its copy
+    stream) over without it, and the no-reuse throughput ratio (the dry run: a small pool on the CPU)."""
+    flags = ["--device", "cpu", "--quick", "--pool-pages", "32"] if dry_run else ["--device", "cuda"]
+    script = ROOT / "scripts" / "bench_kv_offload.py"
+    done = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=400)
+    if done.returncode != 0:
+        return {"ok": False, "command": flags, "error": done.stderr[-2000:]}
+    report = json.loads(done.stdout[done.stdout.index("{") :])
+    figures = {key: report[key] for key in ("revisit_ttft_p50_on_over_off", "no_reuse_throughput_on_over_off")}
+    loaded = report["multi_turn"]["on"]["host_pages_loaded"]
+    return {"ok": loaded > 0, "command": flags, **figures, "host_pages_loaded": loaded}
+
+
 def gpu_tests(device: str, dry_run: bool) -> dict:
     """The marked GPU tests (TOKEND_TEST_GPU=1 pytest -m gpu), counted from pytest's JUnit report."""
     import os
@@ -403,5 +417,6 @@ SECTIONS = {
     "sampler": sampler,
     "two_schedulers": two_schedulers,
     "tensor_parallel": tensor_parallel,
+    "kv_offload": kv_offload,
     "gpu_tests": gpu_tests,
 }

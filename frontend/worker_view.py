@@ -52,6 +52,7 @@ class SchedulerState:
     # Slots given out but not yet filled: admission's pick on its way to submit(), or a disaggregated request's
     # decode worker, held while its prompt runs on a prefill worker.
     reserved: int = 0
+    num_routed: int = 0  # requests admission gave it, ever: the last tie-break, so that idle workers take turns
     monitor_task: asyncio.Task | None = None
     # The nonce of the hello on its current connection, and the session that hello and its ready opened (made when
     # the ready is taken): what the link seals its frames to it with, and checks the seals of its frames with.
@@ -96,21 +97,24 @@ class SchedulerState:
 
     def reserve(self) -> None:
         self.reserved += 1
+        self.num_routed += 1
 
     def unreserve(self) -> None:
         self.reserved = max(0, self.reserved - 1)
 
     @property
-    def routing_key(self) -> tuple[float, int]:
-        """The sooner projected first token, then fewer requests. The projection is as old as the latest load
-        report, so each request sent here since counts as one more prompt ahead of the next: otherwise a burst
+    def routing_key(self) -> tuple[float, int, int]:
+        """The sooner projected first token, then fewer requests (in flight, then ever: idle workers take turns, so
+        that the first prompts of a few shared prefixes spread over them). The projection is as old as the latest
+        load report, so each request sent here since counts as one more prompt ahead of the next: otherwise a burst
         would all go to whichever worker looked fastest before it began. A first token takes at least one step,
         so the projection counts one more (its mean step, at least _MIN_STEP_S): an idle worker projecting 0 s, or
         one that has sent no load report yet, would otherwise stay at 0 s however many requests went to it since."""
         outstanding = self.outstanding
         reported = self.load.num_running + self.load.num_waiting if self.load is not None else 0
         step_s = max(self.load.mean_step_ms / 1e3 if self.load is not None else 0.0, _MIN_STEP_S)
-        return (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported)), outstanding
+        wait_s = (self.projected_ttft_seconds + step_s) * (1 + max(0, outstanding - reported))
+        return wait_s, outstanding, self.num_routed
 
     @property
     def seconds_per_token(self) -> float:
@@ -174,14 +178,14 @@ class WorkerView:
         fallback = max((s.seconds_per_token for s in candidates), default=0.0) or _DEFAULT_TOKEN_S
         return min(candidates, key=lambda s: self.prefix_cost(s, prompt, s.seconds_per_token or fallback))
 
-    def prefix_cost(self, state: SchedulerState, prompt: PromptPages, seconds_per_token: float) -> tuple[float, int]:
+    def prefix_cost(self, state: SchedulerState, prompt: PromptPages, seconds_per_token: float) -> tuple[float, ...]:
         """Prefix-aware routing's key (Dynamo's overlap-versus-load cost, in seconds): the wait its load
         projects (`routing_key`), plus `prefix_weight` times the prefill of the prompt tokens not cached there. A
         worker holding a prompt's pages wins while its queue costs less than computing them elsewhere; past that
         the load term sends the prompt on, so one hot prefix never piles every request on one worker."""
-        wait_s, outstanding = state.routing_key
+        wait_s, *tie_breaks = state.routing_key
         uncached = len(prompt.token_ids) - prompt.cached_tokens(self.prefix_index, state.address.worker_id, state.ready)
-        return wait_s + self.prefix_weight * uncached * seconds_per_token, outstanding
+        return wait_s + self.prefix_weight * uncached * seconds_per_token, *tie_breaks
 
     def apply(self, message: WorkerSet) -> tuple[list[SchedulerState], list[SchedulerState], list[SchedulerState]]:
         """Takes the daemon's set; returns the workers it added, those it newly calls draining, and those it

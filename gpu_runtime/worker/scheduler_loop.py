@@ -254,15 +254,15 @@ class SchedulerLoop:
             self._orphan_all("frontend_changed")
         self._frontend_id = frontend_id
         self._outbox.send(self._ready())
-        # Everything cached now (the changes not sent yet are in it): the new frontend's index starts from this.
-        self._kv_events.take()
-        cached = [PagesStored(hashes, None, [], medium) for medium, hashes in self.engine.kv.cached_hashes().items()]
-        self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, cached, snapshot=True))
         if self._orphan_finals:
             # After the ready: the frontend takes outputs only from an incarnation it has seen say ready.
             self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, self._orphan_finals))
             self._log.info("orphans_reported", count=len(self._orphan_finals))
             self._orphan_finals = []
+        # Everything cached now (the changes not sent yet are in it): the new frontend's index starts from this.
+        self._kv_events.take()
+        cached = [PagesStored(hashes, None, [], medium) for medium, hashes in self.engine.kv.cached_hashes().items()]
+        self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, cached, snapshot=True))
 
     def _orphan_all(self, reason: str) -> None:
         """Aborts every request (their frontend is gone) and keeps their final counts for the next frontend."""

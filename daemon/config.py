@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -219,8 +220,8 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             _check(key, isinstance(endpoint, str) and (endpoint.startswith(("tcp://", "ipc://")) or
                                                        (key == "kv_events_replay_endpoint" and not endpoint)),
                    "a tcp:// or ipc:// address", endpoint)  # fmt: skip
-        _check("prefix_routing_weight", _is_number(self.prefix_routing_weight) and self.prefix_routing_weight >= 0,
-               "a number >= 0", self.prefix_routing_weight)  # fmt: skip
+        weight = self.prefix_routing_weight
+        _check("prefix_routing_weight", _is_number(weight) and 0 <= weight < math.inf, "a finite number >= 0", weight)
         self._take_enums()
         nixl_found = importlib.util.find_spec("nixl") is not None
         _check("kv_transfer_transport", self.kv_transfer_transport != KVTransport.NIXL or nixl_found,

@@ -34,6 +34,7 @@ from gpu_runtime.ipc.messages import MAX_MESSAGE_BYTES
 from gpu_runtime.ipc.peer_auth import PeerAuth
 
 _COMMAND_TIMEOUT_S = 10.0
+_LINKS_RESEND_S = 1.0
 
 
 class DaemonUnreachable(Exception):
@@ -57,6 +58,7 @@ class ControlLink:
         self._outbox.connect(daemon_address)
         self._pending: dict[str, asyncio.Future[CommandResult]] = {}
         self._links_sent: list[str] | None = None  # the LiveLinks last sent
+        self._links_task: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self.on_tenants: Callable[[list[TenantSpec]], None] = lambda tenants: None
 
@@ -67,11 +69,20 @@ class ControlLink:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._receive_forever(), name="daemon-control")
         await self._outbox.send(self._codec.encode(ControlHello(self._codec.boot)))
+        self._links_task = asyncio.create_task(self._resend_links_forever(), name="live-links")
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._links_task):
+            if task is not None:
+                task.cancel()
         self._context.destroy(linger=0)
+
+    async def _resend_links_forever(self) -> None:
+        """The live set again every second: a rollout waiting on a new worker's link moves on even if the message
+        that named it was lost (the daemon's set does not change while it waits, so no WorkerSet would prompt it)."""
+        while True:
+            await asyncio.sleep(_LINKS_RESEND_S)
+            self.links_changed(resend=True)
 
     def links_changed(self, resend: bool = False) -> None:
         """Tells the daemon which workers this frontend has a live link to, when that changed (or `resend`: with

@@ -64,11 +64,16 @@ def external_hash(content_hash: bytes) -> int:
 
 class BoxCache:
     """The union of the workers' caches, by (hash, medium): which pages the box as a whole gains and loses as each
-    worker's events come (the part of the publisher with no sockets)."""
+    worker's events come (the part of the publisher with no sockets).
+
+    A page is published with its tokens and its chain: pages whose tokens the box does not know (a snapshot after a
+    hello, a handover's imported pages, the host tier's copies) are tracked but not published until a worker stores
+    them with their tokens; a router would file them under a wrong chain, or could not map them at all."""
 
     def __init__(self) -> None:
         self._held: dict[str, set[tuple[bytes, str]]] = {}  # worker -> (hash, medium) it holds
         self._holders: collections.Counter[tuple[bytes, str]] = collections.Counter()
+        self._published: set[tuple[bytes, str]] = set()  # what routers were told the box holds
 
     def changes(
         self, worker_id: str, message: KVEvents | None, page_size: int = 16
@@ -91,16 +96,17 @@ class BoxCache:
         return out
 
     def _store(self, held: set[tuple[bytes, str]], event: PagesStored, size: int) -> list[BlockStored]:
-        """The runs of the event's pages that are new to the box, each with the hash before it as its parent."""
+        """The runs of the event's pages new to what routers know, each with the hash before it as its parent."""
         stored, run, parent = [], [], event.parent
         for i, content_hash in enumerate(event.hashes):
             key = (content_hash, event.medium)
             if key not in held:
                 held.add(key)
                 self._holders[key] += 1
-                if self._holders[key] == 1:
-                    run.append(i)
-                    continue
+            if event.token_ids and key not in self._published:
+                self._published.add(key)
+                run.append(i)
+                continue
             stored += self._run(event, run, parent, size)
             run, parent = [], content_hash
         return stored + self._run(event, run, parent, size)
@@ -109,7 +115,7 @@ class BoxCache:
     def _run(event: PagesStored, run: list[int], parent: bytes | None, size: int) -> list[BlockStored]:
         if not run:
             return []
-        tokens = event.token_ids[run[0] * size : (run[-1] + 1) * size] if event.token_ids else []
+        tokens = event.token_ids[run[0] * size : (run[-1] + 1) * size]
         parent_hash = external_hash(parent) if parent is not None else None
         return [BlockStored([external_hash(event.hashes[i]) for i in run], parent_hash, tokens, size, None,
                             event.medium, None)]  # fmt: skip
@@ -123,7 +129,9 @@ class BoxCache:
             self._holders[key] -= 1
             if self._holders[key] == 0:
                 del self._holders[key]
-                gone.setdefault(key[1], []).append(external_hash(key[0]))
+                if key in self._published:
+                    self._published.discard(key)
+                    gone.setdefault(key[1], []).append(external_hash(key[0]))
         return [BlockRemoved(hashes, medium) for medium, hashes in gone.items()]
 
 
@@ -164,6 +172,8 @@ class KVEventsPublisher:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        # A new publisher knows nothing yet: what routers kept from an earlier one (this frontend's predecessor) goes.
+        self._send([AllBlocksCleared()])
         if self._replay is not None:
             self._task = asyncio.create_task(self._serve_replays(), name="kv-events-replay")
 
@@ -175,8 +185,10 @@ class KVEventsPublisher:
     def publish(self, model_name: str, worker_id: str, page_size: int, message: KVEvents | None) -> None:
         """One worker's events (None: it is gone), as the box's batch of the changes they make."""
         events = self._box.changes(worker_id, message, page_size)
-        if not events:
-            return
+        if events:
+            self._send(events, model_name)
+
+    def _send(self, events: list, model_name: str = "") -> None:
         payload = self._encoder.encode(KVEventBatch(time.time(), events))
         sequence, self._sequence = self._sequence, self._sequence + 1
         self._buffer.append((sequence, payload))

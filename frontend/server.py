@@ -119,7 +119,9 @@ async def serve(spec: FrontendSpec, log) -> None:
     admin.control = control
     autoscaling = None
     if control is not None:  # it scales the box's workers, or (autoscale_max_workers 0) exports its decisions
-        autoscaler = admin.autoscaler = Autoscaler(spec, link, admission, control, metrics, log)
+        autoscaler = Autoscaler(spec, link, admission, control, metrics, log)
+        if spec.autoscale.enabled:  # GetLoad's decisions are the ones the daemon carries out
+            admin.autoscaler = autoscaler
         inputs = autoscaler.inputs
         generation.on_finished = inputs.request_finished
         link.on_load = lambda state, report: (

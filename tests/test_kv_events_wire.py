@@ -82,6 +82,8 @@ def test_a_page_two_workers_hold_is_stored_once_and_removed_when_the_last_drops_
 
 
 def test_each_tier_is_its_own_medium_and_a_snapshot_replaces_what_a_worker_held():
+    """(The host tier's own copies carry no tokens and go unpublished; a worker storing a page to it with them, as
+    here, is published under the CPU medium.)"""
     box = BoxCache()
     box.changes("w0", stored([A, B]), 4)
     (host,) = box.changes("w0", stored([B], medium=HOST_MEDIUM), 4)
@@ -90,4 +92,8 @@ def test_each_tier_is_its_own_medium_and_a_snapshot_replaces_what_a_worker_held(
     removed = {(event.medium, h) for event in changes if hasattr(event, "medium") and not hasattr(event, "token_ids")
                for h in event.block_hashes}  # fmt: skip
     assert removed == {("GPU", external_hash(A)), ("GPU", external_hash(B)), ("CPU", external_hash(B))}
-    assert [event.block_hashes for event in changes if hasattr(event, "token_ids")] == [[external_hash(C)]]
+    # A snapshot names its pages without their chain or tokens: tracked, not published, until stored with them.
+    assert [event for event in changes if hasattr(event, "token_ids")] == []
+    (published,) = box.changes("w1", stored([C]), 4)
+    assert published.block_hashes == [external_hash(C)] and published.token_ids == [0, 1, 2, 3]
+    assert box.changes("w1", None, 4) == []  # w0 still holds C

@@ -173,14 +173,18 @@ class HostTier:
         return slot
 
     def hold(self, slots: list[int]) -> None:
-        """Keeps `slots` from reuse until `load` (an admission allocating the pages they go to may evict others)."""
+        """Keeps `slots` from reuse until `release` (an admission allocating the pages they go to may evict others,
+        whose copies need slots)."""
         self._held.update(slots)
+
+    def release(self, slots: list[int]) -> None:
+        """Ends a `hold` (after the load, or an admission that failed before it)."""
+        self._held.difference_update(slots)
 
     def load(self, pages: list[int], slots: list[int]) -> None:
         """Copies held slots into fresh device pages; they stay here too (most recently used)."""
         for slot in slots:
             self._slot_of.move_to_end(self._hash_of[slot])
-        self._held.difference_update(slots)
         if self._log is not None:
             self._log += [KVCopy(False, page, slot) for page, slot in zip(pages, slots, strict=True)]
         if self.pages is not None:

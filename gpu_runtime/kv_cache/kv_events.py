@@ -45,7 +45,9 @@ class KVEventLog:
 
     def stored(self, content_hash: bytes, parent: bytes | None, token_ids: list[int], medium: str) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, PagesStored) and last.medium == medium and parent is not None and last.hashes[-1] == parent:
+        joins = isinstance(last, PagesStored) and last.medium == medium and parent is not None
+        # Tokens for every page of an event, or for none (an imported page's are not known here).
+        if joins and last.hashes[-1] == parent and bool(last.token_ids) == bool(token_ids):
             last.hashes.append(content_hash)
             last.token_ids.extend(token_ids)
             return

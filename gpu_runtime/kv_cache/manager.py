@@ -245,9 +245,13 @@ class KVCacheManager:
                 self.allocator.share(page)
         if match.host_slots:
             self.host.hold(match.host_slots)  # nor the host pages the allocations' own evictions go to
-        seq.tables = [self._admitted_table(group, match.num_pages, num_tokens) for group in match.groups]
-        if match.host_slots:
-            self._load_from_host(seq, seq.tables[0], match)
+        try:
+            seq.tables = [self._admitted_table(group, match.num_pages, num_tokens) for group in match.groups]
+            if match.host_slots:
+                self._load_from_host(seq, seq.tables[0], match)
+        finally:
+            if match.host_slots:
+                self.host.release(match.host_slots)
         if seq.num_preemptions == 0 and self.enable_prefix_caching:  # count each prompt once, not on recompute
             self.num_prefix_query_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += match.num_tokens(self.page_size)

@@ -71,8 +71,13 @@ class PageAllocator:
         if self._free:
             return self._free.popleft()
         page, _ = self._evictable.popitem(last=False)
-        if self.on_evict is not None:
-            self.on_evict(page, self._hash_of_page[page])
+        try:
+            if self.on_evict is not None:
+                self.on_evict(page, self._hash_of_page[page])
+        except BaseException:
+            self._evictable[page] = None  # still free and cached: as it was
+            self._evictable.move_to_end(page, last=False)
+            raise
         self._forget_hash(page)
         self.num_evictions += 1
         return page

@@ -39,6 +39,9 @@ from gpu_runtime.worker.spec import WorkerSpec
 _RECENT_STEPS = 64  # the load report's longest_recent_step_ms looks this many steps back
 
 
+_SNAPSHOT_PAGES = 100_000  # page hashes per message of a cache snapshot (about 4 MB)
+
+
 class SchedulerLoop:
     """Owns the engine thread's side: applies messages at step boundaries, steps, and reports load.
 
@@ -259,10 +262,14 @@ class SchedulerLoop:
             self._outbox.send(StepOutputs(self.spec.worker_id, self.incarnation, self._orphan_finals))
             self._log.info("orphans_reported", count=len(self._orphan_finals))
             self._orphan_finals = []
-        # Everything cached now (the changes not sent yet are in it): the new frontend's index starts from this.
+        # Everything cached now (the changes not sent yet are in it): the new frontend's index starts from this, in
+        # messages of at most _SNAPSHOT_PAGES hashes (a large host tier's would pass the receiver's size limit).
         self._kv_events.take()
-        cached = [PagesStored(hashes, None, [], medium) for medium, hashes in self.engine.kv.cached_hashes().items()]
-        self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, cached, snapshot=True))
+        chunks = [PagesStored(hashes[i : i + _SNAPSHOT_PAGES], None, [], medium)
+                  for medium, hashes in self.engine.kv.cached_hashes().items()
+                  for i in range(0, max(len(hashes), 1), _SNAPSHOT_PAGES)]  # fmt: skip
+        for i, chunk in enumerate(chunks):
+            self._outbox.send(KVEvents(self.spec.worker_id, self.incarnation, [chunk], snapshot=i == 0))
 
     def _orphan_all(self, reason: str) -> None:
         """Aborts every request (their frontend is gone) and keeps their final counts for the next frontend."""

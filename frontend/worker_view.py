@@ -118,8 +118,16 @@ class SchedulerState:
 
     @property
     def seconds_per_token(self) -> float:
-        """A prompt token's cost here by the step-time model its load reports carry; 0 until it is fitted."""
-        return self.load.seconds_per_token if self.load is not None else 0.0
+        """A prompt token's cost here: by the step-time model its load reports carry, or until that is fitted (its
+        first few steps) its steps' time over the tokens they computed (an upper bound: each step's fixed cost is in
+        it); 0 before it ran a step."""
+        load = self.load
+        if load is None:
+            return 0.0
+        if load.seconds_per_token > 0:
+            return load.seconds_per_token
+        num_steps = sum(load.iteration_token_counts)
+        return load.mean_step_ms / 1e3 * num_steps / load.iteration_tokens_sum if load.iteration_tokens_sum else 0.0
 
 
 class WorkerView:

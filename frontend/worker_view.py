@@ -182,9 +182,10 @@ class WorkerView:
         candidates = [s for s in candidates if s is not exclude and (has_room is None or has_room(s))]
         if prompt is None or self.prefix_weight == 0 or len(candidates) < 2:
             return min(candidates, key=lambda s: s.routing_key, default=None)
-        # A worker whose step-time model is not fitted yet is priced as its peers are (they run the same model).
-        fallback = max((s.seconds_per_token for s in candidates), default=0.0) or _DEFAULT_TOKEN_S
-        return min(candidates, key=lambda s: self.prefix_cost(s, prompt, s.seconds_per_token or fallback))
+        # One price per prompt token for every candidate (they run the same model; their estimates differ by noise,
+        # and a worker's first steps overprice it): a cold prompt then costs the same everywhere and the load decides.
+        price = max((s.seconds_per_token for s in candidates), default=0.0) or _DEFAULT_TOKEN_S
+        return min(candidates, key=lambda s: self.prefix_cost(s, prompt, price))
 
     def prefix_cost(self, state: SchedulerState, prompt: PromptPages, seconds_per_token: float) -> tuple[float, ...]:
         """Prefix-aware routing's key (Dynamo's overlap-versus-load cost, in seconds): the wait its load

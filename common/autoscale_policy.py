@@ -77,7 +77,11 @@ class AutoscalePolicy:
     scale_up_cooldown_s: float = 5.0  # after a change, let it show in the indicators before adding again
     forecast_window_s: float = 30.0  # the slow loop's bucket width for arrival rates
     forecast_history_s: float = 300.0  # how far back the slow loop looks
-    forecast_headroom: float = 0.8  # plan workers to run at this fraction of their throughput
+    # Workers beyond a load's offered workers a (its rate over one worker's capacity), in units of sqrt(a): a fleet
+    # of N sustains less than N workers' capacity within the target, since arrivals and request sizes vary, and a
+    # larger fleet loses less of it (square-root staffing; fleet_size). 0.2 is measured: fleets of 2 to 8 at a
+    # steady rate need 0.19 on average for long requests, 0.09 for short ones (docs/benchmarks/autoscale-headroom.json).
+    headroom: float = 0.2
     peak_rps: float = 0.0  # the arrival rate the operator expects at peak: warm workers are kept for it
     peak_memory_s: float = 3600.0  # how long the highest arrival rate seen is remembered as a peak (0: not at all)
 
@@ -94,7 +98,7 @@ class AutoscalePolicy:
         _require(self.forecast_window_s > 0, "forecast_window_s", self.forecast_window_s, "must be > 0")
         _require(self.forecast_history_s >= 2 * self.forecast_window_s, "forecast_history_s",
                  self.forecast_history_s, "must be >= 2 * forecast_window_s")  # fmt: skip
-        _require(0 < self.forecast_headroom <= 1, "forecast_headroom", self.forecast_headroom, "must be in (0, 1]")
+        _require(0 <= self.headroom < math.inf, "headroom", self.headroom, "must be a finite number >= 0")
         _require(self.peak_rps >= 0, "peak_rps", self.peak_rps, "must be >= 0")
         _require(self.peak_memory_s >= 0, "peak_memory_s", self.peak_memory_s, "must be >= 0")
 
@@ -121,11 +125,15 @@ class Decision:
     reason: str
 
 
-def decide(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, floor: int = 0) -> Decision:
-    """The fast loop: one decision for one model; `floor` is the slow loop's forecast floor."""
+def decide(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, floor: int = 0,
+           peak_fleet: int | None = None) -> Decision:  # fmt: skip
+    """The fast loop: one decision for one model; `floor` is the slow loop's forecast floor, `peak_fleet` the
+    warm workers a declared peak needs (peak_fleet; None without one): beyond it no worker is cold-started for a
+    TTFT overshoot, nor the forecast floor raised, since that fleet held warm throughout meets the target."""
     current = len(snapshot.workers) + snapshot.num_starting
-    decision = _fast(snapshot, policy, state, current)
-    lower = max(policy.min_workers, min(floor, policy.max_workers))
+    decision = _fast(snapshot, policy, state, current, peak_fleet)
+    ceiling = policy.max_workers if peak_fleet is None else max(peak_fleet, current)
+    lower = max(policy.min_workers, min(floor, ceiling))
     if decision.desired < lower:
         reason = "forecast" if floor > policy.min_workers else "floor"
         decision = Decision(lower, "up" if lower > current else "hold", reason)
@@ -135,7 +143,8 @@ def decide(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleStat
     return decision
 
 
-def _fast(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, current: int) -> Decision:
+def _fast(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState, current: int,
+          peak_fleet: int | None) -> Decision:  # fmt: skip
     if current > policy.max_workers:  # the ceiling was lowered under us
         return Decision(policy.max_workers, "down", "ceiling")
     target = snapshot.ttft_target_s
@@ -150,6 +159,10 @@ def _fast(snapshot: LoadSnapshot, policy: AutoscalePolicy, state: AutoscaleState
             return Decision(current, "hold", "ceiling")
         if snapshot.num_standby > 0:  # a promotion is a routing flip: it shows in the next tick's indicators
             return Decision(min(policy.max_workers, current + _workers_short(snapshot, policy)), "up", reason)
+        if peak_fleet is not None and current >= peak_fleet and not over_queue:
+            # The peak's fleet serves: a cold start would cost more than holding it, and come a warm-up late. A queue
+            # past the free slots is a load beyond the peak, which nothing sized, and starts one all the same.
+            return Decision(current, "hold", "peak_fleet")
         if snapshot.num_starting > 0:
             return Decision(current, "hold", "starting")  # one action in flight
         if snapshot.now - state.last_change_at < policy.scale_up_cooldown_s:
@@ -305,39 +318,47 @@ def forecast_floor(
                                max_num_batched_tokens)  # fmt: skip
     if capacity.requests_per_s <= 0:
         return policy.max_workers
-    needed = math.ceil(forecast.rate / (capacity.requests_per_s * policy.forecast_headroom))
-    return max(policy.min_workers, min(policy.max_workers, needed))
+    return max(policy.min_workers, fleet_size(forecast.rate, capacity.requests_per_s, policy))
+
+
+def fleet_size(rate_rps: float, capacity_rps: float, policy: AutoscalePolicy) -> int:
+    """The fewest workers that serve `rate_rps` within the TTFT target, each of `capacity_rps` (worker_capacity),
+    at most max_workers: the offered workers a = rate / capacity, plus headroom * sqrt(a) for what variance takes
+    (square-root staffing, as call centres size their agents: the share lost shrinks as the fleet grows). It is
+    the cheapest fixed fleet for a peak that lasts; a shorter peak may be served by fewer."""
+    if rate_rps <= 0:
+        return 0
+    if capacity_rps <= 0:
+        return policy.max_workers
+    offered = rate_rps / capacity_rps
+    return min(policy.max_workers, math.ceil(offered + policy.headroom * math.sqrt(offered) - 1e-9))
 
 
 def peak_rate(window_counts: Mapping[int, int], now: float, policy: AutoscalePolicy) -> float:
     """The highest arrival rate expected: the operator's `peak_rps`, or the busiest forecast window of the last
     `peak_memory_s` if that was busier (a peak seen once is expected again: daily cycles, recurring bursts).
-    `window_counts` maps a window's index (arrival time // forecast_window_s) to the arrivals in it."""
+    `window_counts` maps a window's index (arrival time // forecast_window_s) to the arrivals in it.
+
+    The busiest of many windows is the one whose count chance raised most: a Poisson count of n varies by sqrt(n),
+    so the busiest is taken at one deviation less (n - sqrt(n)), the rate it shows with that chance taken off (at a
+    steady 8 req/s the busiest of 24 windows of 30 s counts about 270, or 9 req/s: one worker too many at peak)."""
     width = policy.forecast_window_s
     oldest = (now - policy.peak_memory_s) // width
     busiest = max((n for index, n in window_counts.items() if index >= oldest), default=0)
-    return max(policy.peak_rps, busiest / width)
+    return max(policy.peak_rps, (busiest - math.sqrt(busiest)) / width)
 
 
-def standby_target(
-    peak_rps: float, capacity_rps: float, active: int, now: float, policy: AutoscalePolicy, state: AutoscaleState
-) -> int:
+def standby_target(reserve: int, active: int, now: float, policy: AutoscalePolicy, state: AutoscaleState) -> int:
     """Warm standbys to keep beside `active` workers (serving or starting toward it): enough that a rise to the
     peak is served by promotions (routing flips) instead of cold starts, which take the whole warm-up time; never
-    fewer than min_standby. The reserve (serving and standby together) grows at once and shrinks by one worker each
-    scale_down_delay_s that it wants less, as the fast loop drains: a warm worker let go costs a warm-up to get back.
+    fewer than min_standby (the operator's, beside whatever serves). The reserve (serving and standby together) grows
+    at once and shrinks by one worker each scale_down_delay_s that it wants less, as the fast loop drains: a warm
+    worker let go costs a warm-up to get back.
 
     A step to the peak cannot be forecast, and a worker started when it comes serves only a warm-up later: every
-    request in between waits. Warm capacity is what serves it, at the cost of holding it while the load is low.
-    `capacity_rps` is one worker's (worker_capacity); 0 when it is not known yet, and then only a declared peak
-    holds workers (all the ceiling allows): a peak merely seen waits for the capacity to size it."""
-    usable = capacity_rps * policy.forecast_headroom
-    if peak_rps <= 0:
-        reserve = 0
-    elif usable <= 0:  # no step time measured yet to size it: a declared peak holds all the ceiling allows
-        reserve = policy.max_workers if policy.peak_rps > 0 else 0
-    else:  # planned at forecast_headroom of capacity, as the forecast floor plans: a peak held runs below 100 %
-        reserve = min(policy.max_workers, math.ceil(peak_rps / usable))
+    request in between waits. Warm capacity is what serves it, at the cost of holding it while the load is low:
+    the cheapest fixed fleet for the peak (`reserve`: peak_fleet, 0 without one), never more, so that autoscaling
+    never costs more than provisioning for the peak."""
     if reserve >= state.reserve:
         state.reserve, state.smaller_reserve_since = reserve, None
     elif state.smaller_reserve_since is None:
@@ -346,3 +367,13 @@ def standby_target(
         state.reserve -= 1  # one at a time, as the fast loop drains: request sizes and so capacities wobble
         state.smaller_reserve_since = now if state.reserve > reserve else None
     return max(policy.min_standby, state.reserve - active)
+
+
+def peak_fleet(peak_rps: float, capacity_rps: float, policy: AutoscalePolicy) -> int | None:
+    """The warm workers the peak needs: fleet_size, or every worker the ceiling allows for a declared peak before
+    a step time is measured to size it; None with no peak, or a peak only seen and no capacity yet."""
+    if peak_rps <= 0:
+        return None
+    if capacity_rps <= 0:
+        return policy.max_workers if policy.peak_rps > 0 else None
+    return max(policy.min_workers, fleet_size(peak_rps, capacity_rps, policy))

@@ -119,8 +119,9 @@ class DrainWorkers:
 
 @dataclass(frozen=True, slots=True)
 class StopWorkers:
-    """Workers of other weights that serve nobody yet (loading, or crashed and waiting to restart): a rollback
-    overtook them, or they crash-loop while a rollout replaces them. Nothing runs there: they stop now."""
+    """Workers that serve nobody yet (loading, or crashed and waiting to restart): of other weights, a rollback
+    overtook them, or they crash-loop while a rollout replaces them; or a standby still loading that the reserve no
+    longer wants. Nothing runs there: they stop now."""
 
     worker_ids: tuple[str, ...]
 
@@ -246,6 +247,8 @@ def _scale(desired: PoolTarget, workers: list[PlannedWorker], free_slots: tuple[
         return DrainWorkers((serving[-1].worker_id,))
     if len(standby) + len(loading_standby) < desired.standby and free_slots:
         return StartWorker(free_slots[0], standby=True)
-    if len(standby) + len(loading_standby) > desired.standby and standby:
-        return DrainWorkers((standby[-1].worker_id,))  # one still loading is drained once warm, if still extra
+    if len(standby) + len(loading_standby) > desired.standby:
+        if loading_standby:  # it has cost part of a warm-up; a warm one let go would cost a whole one to get back
+            return StopWorkers((loading_standby[-1].worker_id,))
+        return DrainWorkers((standby[-1].worker_id,))
     return Wait("a worker is starting") if loading or loading_standby else Done()

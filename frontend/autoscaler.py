@@ -45,6 +45,7 @@ class Autoscaler:
             scale_down_delay_s=settings.autoscale_scale_down_delay,
             peak_rps=settings.autoscale_peak_rps,
             peak_memory_s=settings.autoscale_peak_memory,
+            headroom=settings.autoscale_headroom,
         )
         self._ttft_target_s = spec.admission.interactive_ttft_target
         self._min_prefill_prompt = spec.disagg_min_prompt_tokens

@@ -97,6 +97,11 @@ class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     autoscale_peak_memory: Annotated[
         float, _doc("seconds the busiest arrival rate seen is remembered as a peak to hold warm workers for")
     ] = 3600.0
+    autoscale_headroom: Annotated[
+        float,
+        _doc("workers beyond a load's rate over one worker's capacity, in units of its square root (square-root "
+             "staffing): the fleet for a peak is a + headroom * sqrt(a); 0.2 is what simulated fleets measured"),
+    ] = 0.2  # fmt: skip
 
     def __post_init__(self) -> None:
         for key in ("autoscale_max_workers", "min_standby"):
@@ -113,7 +118,7 @@ class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         delay = self.autoscale_scale_down_delay
         if not delay >= 0:
             raise ValueError(f"autoscale_scale_down_delay: must be seconds >= 0, got {delay!r}")
-        for key in ("autoscale_peak_rps", "autoscale_peak_memory"):
+        for key in ("autoscale_peak_rps", "autoscale_peak_memory", "autoscale_headroom"):
             value = getattr(self, key)
             if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf):
                 raise ValueError(f"{key}: must be a finite number >= 0, got {value!r}")

@@ -36,6 +36,7 @@ _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]  # the project's packages, then scripts/
 
 from autoscale_sim.cluster import Cluster  # noqa: E402
+from autoscale_sim.headroom import measure_headroom  # noqa: E402
 from autoscale_sim.oracle import cheapest_oracle  # noqa: E402
 from autoscale_sim.plots import POLICIES, plot  # noqa: E402
 from autoscale_sim.policies import Limits, OngoingRequests, ReactiveTtft, Tokend, Utilisation  # noqa: E402
@@ -73,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--max-workers", type=int, default=12)
-    parser.add_argument("--min-standby", type=int, default=1, help="tokend's warm standbys")
+    parser.add_argument("--min-standby", type=int, default=1, help="tokend_learned_peak's warm standbys")
     parser.add_argument(
         "--peak-rps",
         type=float,
@@ -84,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ray-target-ongoing", type=float, default=2.0, help="Ray Serve's default is 2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot-dir", type=Path, help="write autoscale-*.png here (needs matplotlib)")
+    parser.add_argument(
+        "--measure-headroom",
+        action="store_true",
+        help="instead: what fleets of 1-8 workers sustain within the target at a steady rate, at two request sizes "
+        "(the measurement behind the policy's headroom)",
+    )
     args = parser.parse_args(argv)
     if (args.step_ms_base is None) != (args.step_ms_per_token is None):
         parser.error("--step-ms-base and --step-ms-per-token go together")
@@ -131,16 +138,16 @@ def capacity_of(model: StepCost, args) -> float:
 
 
 def make_policies(limits: Limits, model: StepCost, warmup_s: float, args, typical_request) -> list:
-    def tokend(**options) -> Tokend:
-        return Tokend(limits, model, warmup_s, args.min_standby, args.max_num_batched_tokens, args.max_num_seqs,
+    def tokend(min_standby: int = args.min_standby, **options) -> Tokend:
+        return Tokend(limits, model, warmup_s, min_standby, args.max_num_batched_tokens, args.max_num_seqs,
                       typical_request=typical_request, **options)  # fmt: skip
 
     return [
         Utilisation(limits),
         OngoingRequests(limits, target_ongoing=args.ray_target_ongoing),
         ReactiveTtft(limits),
-        tokend(peak_rps=args.peak_rps),
-        tokend(name="tokend_learned_peak"),  # no declared peak: only the peaks it has seen
+        tokend(peak_rps=args.peak_rps, min_standby=0),  # the declared peak is its warm capacity
+        tokend(name="tokend_learned_peak"),  # no declared peak: only the peaks it has seen, and min_standby
     ]
 
 
@@ -168,12 +175,49 @@ def checks(results: dict, oracle: dict, static: dict, warmups) -> list[dict]:
                         "static_fleet_workers": fixed["workers"],
                         "static_fleet_attainment": fixed["ttft_attainment"],
                         "static_fleet_worker_seconds_ratio": round(static_ratio, 3),
-                        "static_fleet_meets_bound": fixed["meets_goal"] and static_ratio <= 1.2})  # fmt: skip
+                        "static_fleet_meets_bound": fixed["meets_goal"] and static_ratio <= 1.2,
+                        **_fixed_fleet_bound(ours, util, fixed)})  # fmt: skip
     return out
+
+
+def _fixed_fleet_bound(ours: dict, util: dict, fixed: dict) -> dict:
+    """Never more than provisioning for the peak: >= 95 % where utilisation misses it, at <= 1.0x the cheapest fixed
+    fleet that meets 95 %, and <= 1.2x utilisation's worker-seconds where utilisation meets it."""
+    to_fixed = ours["worker_seconds"] / fixed["worker_seconds"]
+    util_meets = util["ttft_attainment"] >= 0.95
+    to_util = ours["worker_seconds"] / util["worker_seconds"]
+    passes = ours["ttft_attainment"] >= 0.95 and to_fixed <= 1.0 and (not util_meets or to_util <= 1.2)
+    return {"tokend_to_fixed_fleet": round(to_fixed, 3), "passes_fixed_fleet_bound": passes}
+
+
+def headroom_report(args) -> dict:
+    """Fleets' sustained rates at --worker-rps's request sizes and at requests a quarter as long, and the
+    square-root staffing headroom they imply (autoscale_sim/headroom.py)."""
+    model, model_facts = step_model_from(args)
+    duration = MODES["smoke" if args.smoke else "quick" if args.quick else "full"][0] / 2
+    sizes = []
+    for worker_rps in (args.worker_rps, 4 * args.worker_rps):
+        prompt, output, _ = size_requests(model, argparse.Namespace(**{**vars(args), "worker_rps": worker_rps}))
+        mean_prompt, mean_output = mean_lengths(prompt, output)
+        capacity = worker_capacity(model, mean_prompt, mean_output, args.ttft_target_s * 0.8, args.max_num_seqs,
+                                   args.max_num_batched_tokens).requests_per_s  # fmt: skip
+        sizes.append(measure_headroom(model, capacity, prompt, output, args, duration))
+    for size in sizes:  # a lone worker pools nothing: its beta says little about fleets
+        betas = [fleet["beta"] for fleet in size["fleets"] if fleet["workers"] > 1]
+        size["beta_mean"] = round(sum(betas) / len(betas), 3)
+    # The policy's default: the larger of the sizes' betas (a fleet sized for long requests serves short ones).
+    return {"sizes": sizes, "headroom": max(size["beta_mean"] for size in sizes),
+            "params": {"step_model": model_facts, "steady_trace_seconds": duration, "goal": 0.95,
+                       "ttft_target_s": args.ttft_target_s, "max_num_seqs": args.max_num_seqs,
+                       "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}}  # fmt: skip
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.measure_headroom:
+        json.dump(headroom_report(args), sys.stdout, indent=1)
+        print()
+        return 0
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
     duration, warmups = MODES[mode]
     model, model_facts = step_model_from(args)
@@ -223,7 +267,7 @@ def main(argv=None) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "min_workers": args.min_workers,
         "max_workers": args.max_workers,
-        "tokend_min_standby": args.min_standby,
+        "tokend_learned_peak_min_standby": args.min_standby,
         "tokend_peak_rps": args.peak_rps,
         "scale_down_delay_s": args.scale_down_delay_s,
         "ray_target_ongoing": args.ray_target_ongoing,

@@ -16,8 +16,10 @@ from common.autoscale_policy import (
     WorkerSnapshot,
     decide,
     fit_step_model,
+    fleet_size,
     forecast_floor,
     forecast_load,
+    peak_fleet,
     peak_rate,
     standby_target,
     worker_capacity,
@@ -136,6 +138,8 @@ def test_the_forecast_floor_raises_desired_and_holds_off_scale_down():
         ({"max_workers": 2, "scale_down_delay_s": -1}, "scale_down_delay_s"),
         ({"max_workers": 2, "peak_rps": -1.0}, "peak_rps"),
         ({"max_workers": 2, "peak_memory_s": -5.0}, "peak_memory_s"),
+        ({"max_workers": 2, "headroom": -0.1}, "headroom"),
+        ({"max_workers": 2, "headroom": float("inf")}, "headroom"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_its_field(options, field):
@@ -206,46 +210,124 @@ def test_worker_capacity_keeps_the_prefill_under_the_target():
 def test_the_peak_is_the_declared_rate_or_the_busiest_remembered_window_whichever_is_higher():
     policy = AutoscalePolicy(max_workers=8, peak_rps=2.0, peak_memory_s=600.0, forecast_window_s=30.0)
     counts = {0: 300, 10: 30, 30: 90}  # windows at 0 s (10 req/s), 300 s (1 req/s) and 900 s (3 req/s)
-    assert peak_rate(counts, now=550.0, policy=policy) == 10.0  # the burst at 0 s is still remembered
-    assert peak_rate(counts, now=920.0, policy=policy) == 3.0  # 600 s later it is forgotten
+    # The busiest window is taken at one Poisson deviation less: (300 - sqrt(300)) / 30 s.
+    assert peak_rate(counts, now=550.0, policy=policy) == pytest.approx(9.423, abs=1e-3)  # still remembered
+    assert peak_rate(counts, now=920.0, policy=policy) == pytest.approx(2.684, abs=1e-3)  # 600 s later: forgotten
     assert peak_rate({}, now=0.0, policy=policy) == 2.0  # nothing seen yet: the declared peak
+    assert peak_rate({30: 64}, now=920.0, policy=policy) == 2.0  # (64 - 8) / 30 s: under the declared peak
     forgetful = AutoscalePolicy(max_workers=8, peak_memory_s=0.0, forecast_window_s=30.0)
-    assert peak_rate(counts, now=920.0, policy=forgetful) == 3.0  # the current window only
+    assert peak_rate(counts, now=920.0, policy=forgetful) == pytest.approx(2.684, abs=1e-3)  # the current window
+
+
+def test_a_steady_peak_seen_in_many_windows_is_not_raised_by_the_busiest_ones_chance():
+    rng = random.Random(7)
+    policy = AutoscalePolicy(max_workers=16, forecast_window_s=30.0)
+    counts = {}
+    for window in range(24):  # 12 minutes at a steady 8 req/s
+        arrivals, t = 0, rng.expovariate(8.0)
+        while t < 30.0:
+            arrivals, t = arrivals + 1, t + rng.expovariate(8.0)
+        counts[window] = arrivals
+    busiest = max(counts.values()) / 30.0
+    peak = peak_rate(counts, now=24 * 30.0, policy=policy)
+    assert 8.0 <= peak < busiest
+    # At 1.413 req/s a worker (the simulated requests), 8 req/s needs 7 workers; the busiest window alone asks 8.
+    assert fleet_size(peak, 1.413, policy) == fleet_size(8.0, 1.413, policy) == 7
+    assert fleet_size(busiest, 1.413, policy) == 8
+
+
+def test_the_fleet_for_a_rate_is_its_offered_workers_plus_headroom_times_their_square_root():
+    policy = AutoscalePolicy(max_workers=12)  # headroom 0.2
+    # 8 req/s at 1.413 req/s a worker: a = 5.662 offered workers, + 0.2 * sqrt(5.662) = 6.138: 7 workers.
+    assert fleet_size(8.0, 1.413, policy) == 7
+    assert fleet_size(8.0, 1.413, AutoscalePolicy(max_workers=12, headroom=0.0)) == 6  # a alone, rounded up
+    assert fleet_size(8.0, 2.0, AutoscalePolicy(max_workers=12, headroom=0.0)) == 4  # exactly 4: not 5
+    # 8 req/s at 2: a = 4, + 0.2 * 2 = 4.4: 5. At 100 req/s at 2: 50 + 0.2 * 7.07 = 51.4, past the ceiling.
+    assert fleet_size(8.0, 2.0, policy) == 5
+    assert fleet_size(100.0, 2.0, policy) == 12
+    assert fleet_size(0.0, 2.0, policy) == 0  # no load, no fleet
+    assert fleet_size(8.0, 0.0, policy) == 12  # no capacity to size it: all the ceiling allows
+    # The share of its capacity a fleet may use grows with it (pooling): 4 workers take 3.62 offered workers (90 %),
+    # 9 workers 8.42 (94 %).
+    assert fleet_size(3.60 * 2.0, 2.0, policy) == 4 and fleet_size(3.65 * 2.0, 2.0, policy) == 5
+    assert fleet_size(8.40 * 2.0, 2.0, policy) == 9 and fleet_size(8.45 * 2.0, 2.0, policy) == 10
+
+
+def test_the_peak_fleet_is_sized_when_the_peak_and_a_capacity_are_known():
+    declared = AutoscalePolicy(max_workers=10, min_workers=2, peak_rps=8.0)
+    assert peak_fleet(8.0, 2.0, declared) == 5
+    assert peak_fleet(1.0, 2.0, declared) == 2  # never under min_workers
+    assert peak_fleet(8.0, 0.0, declared) == 10  # declared, not sized yet: every worker the ceiling allows
+    seen = AutoscalePolicy(max_workers=10)
+    assert peak_fleet(8.0, 0.0, seen) is None  # only seen: it waits for a capacity to size it
+    assert peak_fleet(0.0, 2.0, seen) is None
+
+
+def test_with_the_peak_fleet_warm_a_ttft_overshoot_starts_no_worker_cold_but_a_queue_past_the_slots_does():
+    policy = AutoscalePolicy(max_workers=10)
+    hot = [worker(0.95)] * 3
+    held = decide(load(0, hot), policy, AutoscaleState(), peak_fleet=3)
+    assert (held.desired, held.direction, held.reason) == (3, "hold", "peak_fleet")
+    # Below the fleet, or with no peak declared, it scales up as before.
+    assert decide(load(0, hot), policy, AutoscaleState(), peak_fleet=4).direction == "up"
+    assert decide(load(0, hot), policy, AutoscaleState()).direction == "up"
+    # A warm standby is promoted whatever the fleet: it is paid for already.
+    promoted = decide(load(0, hot, standby=1), policy, AutoscaleState(), peak_fleet=3)
+    assert (promoted.desired, promoted.direction) == (4, "up")
+    # A queue past every free slot is a load beyond the peak that was sized: a worker is started all the same.
+    full = [worker(0.1, running=32)] * 3
+    queued = decide(load(0, full, queue=10), policy, AutoscaleState(), peak_fleet=3)
+    assert (queued.desired, queued.direction, queued.reason) == (4, "up", "queue")
+    # The forecast floor is held to the fleet too.
+    floored = decide(load(0, [worker(0.1)] * 3), policy, AutoscaleState(), floor=9, peak_fleet=5)
+    assert (floored.desired, floored.reason) == (5, "forecast")
+
+
+def _wanted(peak_rps: float, capacity_rps: float, policy: AutoscalePolicy) -> int:
+    return peak_fleet(peak_rps, capacity_rps, policy) or 0
 
 
 def test_standbys_hold_warm_capacity_for_the_peak_beside_the_serving_workers():
-    policy = AutoscalePolicy(max_workers=10, min_standby=1, forecast_headroom=0.8)
+    policy = AutoscalePolicy(max_workers=10, min_standby=1)
     state = AutoscaleState()
-    # 8 req/s at 2 req/s a worker, planned at 80%: 5 warm workers; with 1 serving, 4 wait as standbys.
-    assert standby_target(8.0, 2.0, active=1, now=0.0, policy=policy, state=state) == 4
-    assert standby_target(8.0, 2.0, active=4, now=1.0, policy=policy, state=state) == 1  # promoted: fewer wait
-    assert standby_target(8.0, 2.0, active=6, now=2.0, policy=policy, state=state) == 1  # never under min_standby
-    assert standby_target(0.0, 2.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1  # no peak
+    # 8 req/s at 2 req/s a worker: 4 offered workers + 0.2 * sqrt(4) = 4.4, so 5 warm; with 1 serving, 4 wait.
+    assert standby_target(_wanted(8.0, 2.0, policy), active=1, now=0.0, policy=policy, state=state) == 4
+    assert (
+        standby_target(_wanted(8.0, 2.0, policy), active=4, now=1.0, policy=policy, state=state) == 1
+    )  # promoted: fewer wait
+    assert (
+        standby_target(_wanted(8.0, 2.0, policy), active=6, now=2.0, policy=policy, state=state) == 1
+    )  # never under min_standby
+    assert (
+        standby_target(_wanted(0.0, 2.0, policy), active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1
+    )  # no peak
     # A declared peak before any step time is measured: every worker the ceiling allows is held warm...
     declared = AutoscalePolicy(max_workers=10, min_standby=1, peak_rps=8.0)
-    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=declared, state=AutoscaleState()) == 9
+    assert standby_target(_wanted(8.0, 0.0, declared), active=1, now=3.0, policy=declared, state=AutoscaleState()) == 9
     # ...a peak only seen waits for the capacity to size it.
-    assert standby_target(8.0, 0.0, active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1
+    assert standby_target(_wanted(8.0, 0.0, policy), active=1, now=3.0, policy=policy, state=AutoscaleState()) == 1
 
 
 def test_the_reserve_grows_at_once_and_shrinks_by_one_each_scale_down_delay():
-    policy = AutoscalePolicy(max_workers=10, scale_down_delay_s=60.0, forecast_headroom=1.0)
+    policy = AutoscalePolicy(max_workers=10, scale_down_delay_s=60.0, headroom=0.0)
     state = AutoscaleState()
-    assert standby_target(8.0, 2.0, active=1, now=0.0, policy=policy, state=state) == 3
+    assert standby_target(_wanted(8.0, 2.0, policy), active=1, now=0.0, policy=policy, state=state) == 3
     # Request sizes wobble, so the capacity does: a smaller reserve waits out the delay, then goes one at a time...
-    assert standby_target(4.0, 2.0, active=1, now=10.0, policy=policy, state=state) == 3
-    assert standby_target(4.0, 2.0, active=1, now=69.0, policy=policy, state=state) == 3
-    assert standby_target(4.0, 2.0, active=1, now=70.0, policy=policy, state=state) == 2
-    assert standby_target(4.0, 2.0, active=1, now=129.0, policy=policy, state=state) == 2
-    assert standby_target(4.0, 2.0, active=1, now=130.0, policy=policy, state=state) == 1
-    assert standby_target(4.0, 2.0, active=1, now=500.0, policy=policy, state=state) == 1  # at what it wants
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=10.0, policy=policy, state=state) == 3
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=69.0, policy=policy, state=state) == 3
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=70.0, policy=policy, state=state) == 2
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=129.0, policy=policy, state=state) == 2
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=130.0, policy=policy, state=state) == 1
+    assert (
+        standby_target(_wanted(4.0, 2.0, policy), active=1, now=500.0, policy=policy, state=state) == 1
+    )  # at what it wants
     # ...a larger one is held at once, and a wobble back up resets the wait.
-    assert standby_target(12.0, 2.0, active=1, now=501.0, policy=policy, state=state) == 5
-    assert standby_target(4.0, 2.0, active=1, now=510.0, policy=policy, state=state) == 5
-    assert standby_target(12.0, 2.0, active=1, now=530.0, policy=policy, state=state) == 5
-    assert standby_target(4.0, 2.0, active=1, now=589.0, policy=policy, state=state) == 5
+    assert standby_target(_wanted(12.0, 2.0, policy), active=1, now=501.0, policy=policy, state=state) == 5
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=510.0, policy=policy, state=state) == 5
+    assert standby_target(_wanted(12.0, 2.0, policy), active=1, now=530.0, policy=policy, state=state) == 5
+    assert standby_target(_wanted(4.0, 2.0, policy), active=1, now=589.0, policy=policy, state=state) == 5
 
 
 def test_the_reserve_never_passes_the_ceiling():
-    policy = AutoscalePolicy(max_workers=3, forecast_headroom=1.0)
-    assert standby_target(100.0, 1.0, active=1, now=0.0, policy=policy, state=AutoscaleState()) == 2
+    policy = AutoscalePolicy(max_workers=3, headroom=0.0)
+    assert standby_target(_wanted(100.0, 1.0, policy), active=1, now=0.0, policy=policy, state=AutoscaleState()) == 2

@@ -198,7 +198,8 @@ def test_a_standalone_gateway_keeps_a_quiet_stream_alive_with_comments(daemon):
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
             lines = [line for line in reply.iter_lines() if line]
         assert {line for line in lines if not line.startswith("data: ")} <= {": keep-alive"}
-        assert len([line for line in lines if line.startswith("data: {")]) == 2 and lines[-1] == "data: [DONE]"
+        # Two tokens, in two events or one (on a busy machine the second may join the first before it is sent).
+        assert len([line for line in lines if line.startswith("data: {")]) in (1, 2) and lines[-1] == "data: [DONE]"
 
 
 def test_echo_with_logprobs_scores_each_prompt_token_as_transformers_does(daemon, client):

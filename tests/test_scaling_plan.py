@@ -16,6 +16,7 @@ from daemon.reconcile import (
     PromoteWorkers,
     RestartWorkers,
     StartWorker,
+    StopWorkers,
     Wait,
     reconcile,
 )
@@ -53,6 +54,8 @@ def workers(*states) -> list[PlannedWorker]:
         (1, 0, (SERVING, STARTING), [], Wait("a worker is starting")),  # nothing goes down while one loads
         (2, 1, (SERVING, STARTING_STANDBY), [], PromoteWorkers(("m/1",))),  # serves once warm
         (1, 3, (SERVING, STARTING_STANDBY), [2], StartWorker(2, standby=True)),  # the reserve loads side by side
+        # Fewer standbys wanted: one still loading stops before a warm one drains (the warm one cost a warm-up).
+        (1, 1, (SERVING, STANDBY, STARTING_STANDBY), [], StopWorkers(("m/2",))),
         (1, 1, (SERVING, FAILED), [2], Wait("a worker is restarting")),
         (3, 0, (SERVING, SERVING), [], Wait("no free group to scale up on")),
         (1, 1, (SERVING, STANDBY, DRAINING), [], Done()),  # a drain in flight does not block the rest

@@ -129,3 +129,25 @@ def test_a_demoted_worker_finishes_its_streams_and_serves_again_without_a_warm_u
     assert len(c.ttfts) == 4
     c.actuate(60.0, desired=2, standby=0)  # promoted again: serving at once, no warm-up
     assert len(c.serving(60.0)) == 2 and c.worker_seconds(60.0) == 120.0
+
+
+def test_a_declared_peak_holds_no_more_warm_workers_than_the_fixed_fleet_it_names():
+    """Issue 44: the warm reserve is the cheapest fixed fleet for the declared peak (square-root staffing over one
+    worker's capacity), and a TTFT overshoot at the peak starts nothing cold beyond it: autoscaling never holds more
+    workers than provisioning for the peak would, and the step burst is still served."""
+    args, model, lengths, trace, limits, cluster = _setup(120.0)
+    from autoscale_sim.run import simulate
+    from sim_autoscale import make_policies, mean_lengths
+
+    from common.autoscale_policy import peak_fleet, worker_capacity
+
+    (tokend,) = [p for p in make_policies(limits, model, 120.0, args, mean_lengths(*lengths)) if p.name == "tokend"]
+    capacity = worker_capacity(model, *mean_lengths(*lengths), 0.8 * args.ttft_target_s, args.max_num_seqs,
+                               args.max_num_batched_tokens).requests_per_s  # fmt: skip
+    fleet = peak_fleet(args.peak_rps, capacity, tokend.policy)
+    assert 1 < fleet < limits.max_workers  # sized, not every worker the ceiling allows
+    run = simulate(tokend, trace, cluster(), limits, record_every_s=1.0)
+    assert run["ttft_attainment"] >= 0.95
+    # Billed: serving, standby and loading alike (the first requests' sizes, noise, resize nothing).
+    assert max(point["billed"] for point in run["timeline"]) <= fleet
+    assert run["peak_desired"] <= fleet

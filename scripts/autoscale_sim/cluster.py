@@ -30,6 +30,7 @@ from daemon.reconcile import (
     PoolTarget,
     PromoteWorkers,
     StartWorker,
+    StopWorkers,
     reconcile,
 )
 from gpu_runtime.latency import StepTimeModel, prefill_seconds
@@ -156,6 +157,9 @@ class Cluster:
                 worker.standby, worker.draining = False, True
                 if not worker.running:
                     self._retire(worker, now)
+        elif isinstance(action, StopWorkers):
+            for worker in chosen:
+                self._retire(worker, now)  # still loading: nothing runs there
         else:
             return False
         return True

@@ -11,9 +11,10 @@ serving or starting toward serving (the cluster reconciles). All share the floor
   tokend            the frontend's own per-tick decision (frontend.autoscale_decision.decide_pool over
                     frontend.autoscale_inputs.AutoscaleInputs): decide() on projected TTFT + queue wait and queue
                     depth, forecast_floor() over the warm-up horizon, and warm standbys for the peak (the operator's
-                    declared peak rate, or the busiest window remembered, whichever is higher; min_standby at
-                    least); the daemon's reconciler then demotes a worker to standby while the peak's reserve wants
-                    one.
+                    declared peak rate, or the busiest window remembered, whichever is higher): the cheapest fixed
+                    fleet that the peak needs (fleet_size), beyond which a declared peak starts no worker cold for
+                    a TTFT overshoot; the daemon's reconciler then demotes a worker to standby while the peak's
+                    reserve wants one.
   tokend_learned_peak  the same with no declared peak: it holds warm workers only for the peaks it has seen.
 """
 
@@ -24,7 +25,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from autoscale_sim.cluster import Cluster
-from common.autoscale_policy import AutoscalePolicy, AutoscaleState, StepCost, standby_target, worker_capacity
+from common.autoscale_policy import (
+    AutoscalePolicy,
+    AutoscaleState,
+    StepCost,
+    peak_fleet,
+    standby_target,
+    worker_capacity,
+)
 from frontend.autoscale_decision import PoolView, Sizing, decide_pool
 from frontend.autoscale_inputs import AutoscaleInputs
 
@@ -177,8 +185,8 @@ class Tokend:
         # what the daemon starts with: the standbys its configured peak asks for, sized by a typical request
         target_s = self.policy.ttft_fraction * limits.ttft_target_s
         capacity = worker_capacity(step_model, *typical_request, target_s, max_num_seqs, max_num_batched_tokens)
-        self.standby_wanted = standby_target(peak_rps, capacity.requests_per_s, limits.min_workers, 0.0, self.policy,
-                                             self.state)  # fmt: skip
+        reserve = peak_fleet(peak_rps, capacity.requests_per_s, self.policy) or 0
+        self.standby_wanted = standby_target(reserve, limits.min_workers, 0.0, self.policy, self.state)
 
     def tick(self, cluster: Cluster, seen: Observed) -> int:
         for arrived, prompt, output in seen.arrivals[self.fed :]:

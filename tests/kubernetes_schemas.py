@@ -1,7 +1,7 @@
 """Validation of rendered Kubernetes objects: core objects against the `kubernetes` client's models (pydantic,
 strict: unknown fields, wrong types, missing required fields, plus the JSON field names themselves, since the models
-also accept their Python names); InferencePool, PodMonitor and HTTPRoute against the closed subsets below, written
-from the published CRDs for the fields tokend's manifests use (no PyPI package ships those schemas)."""
+also accept their Python names); InferencePool, PodMonitor, HTTPRoute and KEDA's ScaledObject against the closed
+subsets below, written from the published CRDs for the fields tokend's manifests use (no PyPI package ships those schemas)."""
 
 from __future__ import annotations
 
@@ -226,8 +226,75 @@ HTTPROUTE_SPEC = _closed(
         },
     }
 )
+# keda.sh_scaledobjects.yaml, v1alpha1 (KEDA 2.x): the fields tokend's autoscaling component uses, and their kin.
+_INT32 = {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1}
+_HPA_SCALING_RULES = _closed(
+    {
+        "stabilizationWindowSeconds": {"type": "integer", "minimum": 0, "maximum": 3600},
+        "selectPolicy": {"enum": ["Max", "Min", "Disabled"]},
+        "policies": {
+            "type": "array",
+            "items": _closed(
+                {
+                    "type": {"enum": ["Pods", "Percent"]},
+                    "value": {**_INT32, "exclusiveMinimum": 0},
+                    "periodSeconds": {"type": "integer", "exclusiveMinimum": 0, "maximum": 1800},
+                },
+                ("type", "value", "periodSeconds"),
+            ),  # fmt: skip
+        },
+        "tolerance": {"type": ["string", "number"]},
+    }
+)
+SCALED_OBJECT_SPEC = _closed(
+    {
+        "scaleTargetRef": _closed(
+            {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "name": {"type": "string"},
+                "envSourceContainerName": {"type": "string"},
+            },
+            ("name",),
+        ),  # fmt: skip
+        "pollingInterval": _INT32,
+        "cooldownPeriod": _INT32,
+        "initialCooldownPeriod": _INT32,
+        "idleReplicaCount": _INT32,
+        "minReplicaCount": _INT32,
+        "maxReplicaCount": _INT32,
+        "fallback": _closed({"failureThreshold": _INT32, "replicas": _INT32}, ("failureThreshold", "replicas")),
+        "advanced": _closed(
+            {
+                "horizontalPodAutoscalerConfig": _closed(
+                    {
+                        "name": {"type": "string"},
+                        "behavior": _closed({"scaleDown": _HPA_SCALING_RULES, "scaleUp": _HPA_SCALING_RULES}),
+                    },
+                ),  # fmt: skip
+                "restoreToOriginalReplicaCount": {"type": "boolean"},
+            }
+        ),
+        "triggers": {
+            "type": "array",
+            "items": _closed(
+                {
+                    "type": {"type": "string"},
+                    "name": {"type": "string"},
+                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                    "useCachedMetrics": {"type": "boolean"},
+                    "authenticationRef": _closed({"name": {"type": "string"}, "kind": {"type": "string"}}, ("name",)),
+                },
+                ("type", "metadata"),
+            ),
+        },
+    },
+    ("scaleTargetRef", "triggers"),
+)
 CRD_SPECS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_SPEC,
+    ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT_SPEC,
     ("monitoring.coreos.com/v1", "PodMonitor"): PODMONITOR_SPEC,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_SPEC,
 }

@@ -41,6 +41,8 @@ VARIANTS = {
     "gpu": ("overlays/gpu", ()),
     "gpu-inference-pool": ("overlays/gpu-inference-pool", ()),
     "cpu+models-hostpath": ("overlays/cpu", ("components/models-hostpath",)),
+    "gpu-keda": ("overlays/gpu-keda", ()),
+    "gpu-hpa": ("overlays/gpu-hpa", ()),
 }
 IMAGE_UID = 10001  # the Dockerfile's `tokend` user (checked against its USER below)
 STARTUP_WINDOW_S = 15 * 60  # loading and warming up a large model
@@ -89,19 +91,27 @@ def one(objects: tuple[dict, ...], kind: str, name: str | None = None) -> dict:
 # -- what a pod is -------------------------------------------------------------------------------------------------
 
 
+def workload(objects: tuple[dict, ...]) -> dict:
+    """The tokend pods' controller: the base's Deployment, or per-pod-state's StatefulSet."""
+    (found,) = find(objects, "Deployment", "tokend") + find(objects, "StatefulSet", "tokend")
+    return found
+
+
 def tokend_pod(objects: tuple[dict, ...]) -> tuple[dict, dict]:
-    spec = one(objects, "Deployment", "tokend")["spec"]["template"]["spec"]
+    spec = workload(objects)["spec"]["template"]["spec"]
     (container,) = [c for c in spec["containers"] if c["name"] == "tokend"]
     return spec, container
 
 
-def mount_at(pod: dict, container: dict, path: str) -> tuple[dict, dict]:
-    """The volume mount that holds `path` (the deepest one), and its volume."""
+def mount_at(pod: dict, container: dict, path: str) -> tuple[dict, dict | None]:
+    """The volume mount that holds `path` (the deepest one), and its volume (None for a StatefulSet's claim
+    template, which is no volume of the pod template)."""
     holding = [m for m in container.get("volumeMounts", []) if f"{path}/".startswith(f"{m['mountPath'].rstrip('/')}/")]
     assert holding, f"no volume is mounted at {path}"
     mount = max(holding, key=lambda m: len(m["mountPath"]))
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    return mount, volume
+    volumes = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert len(volumes) <= 1
+    return mount, volumes[0] if volumes else None
 
 
 def config_file(objects: tuple[dict, ...]) -> tuple[str, str]:
@@ -229,12 +239,18 @@ def test_the_configmap_is_a_valid_tokend_config_as_the_pod_loads_it(variant, tmp
     assert config.tenants, "a non-loopback host needs tenants: tokend would refuse to start"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": config.grpc_port, "http": config.http_port, "metrics": config.metrics_port}
-    state_mount, state_volume = mount_at(pod, container, config.state_dir)
+    state_mount = mount_at(pod, container, config.state_dir)[0]
     assert state_mount["mountPath"] == config.state_dir and not state_mount.get("readOnly")
-    claim = one(objects, "PersistentVolumeClaim", state_volume["persistentVolumeClaim"]["claimName"])
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    deployment = one(objects, "Deployment", "tokend")["spec"]
-    assert deployment["replicas"] == 1 and deployment["strategy"]["type"] == "Recreate"  # one writer of the ledger
+    # One writer of each ledger: one pod on the shared claim, replaced with Recreate; or a claim per pod.
+    controller = workload(objects)
+    if controller["kind"] == "Deployment":
+        claim = one(objects, "PersistentVolumeClaim", mount_at(pod, container, config.state_dir)[1]
+                    ["persistentVolumeClaim"]["claimName"])["spec"]  # fmt: skip
+        assert controller["spec"]["replicas"] == 1 and controller["spec"]["strategy"]["type"] == "Recreate"
+    else:
+        assert mount_at(pod, container, config.state_dir)[1] is None  # the claim template's, one per pod
+        (claim,) = [t["spec"] for t in controller["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == "state"]
+    assert claim["accessModes"] == ["ReadWriteOnce"]
     models = tomllib.loads(config_file(objects)[1])["model"]
     for model in [models] if isinstance(models, str) else models:
         mount, volume = mount_at(pod, container, model)
@@ -285,8 +301,8 @@ def test_the_pod_is_unprivileged_on_a_read_only_root(variant):
     for path in writable:  # all the daemon writes, with the root filesystem read-only
         mount, _ = mount_at(pod, container, path)
         assert not mount.get("readOnly"), path
-    for deployment in find(objects, "Deployment"):  # the endpoint picker too
-        spec = deployment["spec"]["template"]["spec"]
+    for controller in find(objects, "Deployment") + find(objects, "StatefulSet"):  # the endpoint picker too
+        spec = controller["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for each in spec["containers"]:
@@ -310,7 +326,7 @@ def test_service_links_are_off_because_they_would_break_the_config(tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_services_pdb_and_monitors_select_the_tokend_pods_by_named_ports(variant):
     objects = rendered(variant)
-    labels = one(objects, "Deployment", "tokend")["spec"]["template"]["metadata"]["labels"]
+    labels = workload(objects)["spec"]["template"]["metadata"]["labels"]
     _, container = tokend_pod(objects)
     port_names = {p["name"] for p in container["ports"]}
 
@@ -318,7 +334,8 @@ def test_services_pdb_and_monitors_select_the_tokend_pods_by_named_ports(variant
         return selector.items() <= labels.items()
 
     services = {s["metadata"]["name"]: s for s in find(objects, "Service") if selects(s["spec"]["selector"])}
-    assert set(services) == {"tokend-grpc", "tokend-http"}
+    headless = {"tokend-pods"} if workload(objects)["kind"] == "StatefulSet" else set()  # the pods' own names
+    assert set(services) == {"tokend-grpc", "tokend-http"} | headless
     for name, protocol in (("tokend-grpc", "kubernetes.io/h2c"), ("tokend-http", "http")):
         (port,) = services[name]["spec"]["ports"]
         assert port["targetPort"] in port_names and port["appProtocol"] == protocol
@@ -407,3 +424,60 @@ def test_the_inference_pool_routes_to_tokend_by_its_own_metrics(tmp_path):
     assert attributes[ttft_scorer["attributeKey"]] == "tokend:projected_ttft_seconds"
     assert ttft_scorer["algorithm"]["type"] == "linear_lower_is_better"
     assert flags["allow-experimental-plugins"] == "true"  # endpoint-attribute-scorer is alpha
+
+
+@pytest.mark.parametrize("variant", ["gpu-keda", "gpu-hpa"])
+def test_per_pod_state_gives_each_pod_its_own_ledger_and_the_overlays_pod(variant):
+    """The StatefulSet runs the overlay's very pod (copied, not rewritten), with the state volume a claim per pod
+    that outlives it; the shared claim and the one-replica Deployment are gone."""
+    objects = rendered(variant)
+    plain = rendered("gpu")
+    statefulset = one(objects, "StatefulSet", "tokend")
+    assert not find(objects, "Deployment", "tokend") and not find(objects, "PersistentVolumeClaim", "tokend-state")
+    pod, expected = statefulset["spec"]["template"], yaml.safe_load(yaml.safe_dump(workload(plain)["spec"]["template"]))
+    expected["spec"]["volumes"] = [v for v in expected["spec"]["volumes"] if v["name"] != "state"]
+    assert pod == expected
+    (template,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert template["metadata"]["name"] == "state"
+    assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenScaled": "Retain",
+        "whenDeleted": "Retain",
+    }
+    governing = one(objects, "Service", statefulset["spec"]["serviceName"])
+    assert governing["spec"]["clusterIP"] == "None"
+    assert governing["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("variant", ["gpu-keda", "gpu-hpa"])
+def test_the_pods_scale_on_the_sum_of_their_own_desired_replicas(variant, tmp_path):
+    """KEDA's ScaledObject or the HPA targets the StatefulSet with the sum of the pods' tokend:desired_replicas for
+    the routed pool, averaged to 1 a pod (so the pods asked for are that sum), and the metric is one the frontend
+    exports under that name and those labels; the pods it removes drain first."""
+    from frontend.metrics import FrontendMetrics
+
+    objects = rendered(variant)
+    scaler = (find(objects, "ScaledObject") + find(objects, "HorizontalPodAutoscaler"))[0]
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "StatefulSet", "tokend")
+    metrics = FrontendMetrics()
+    metrics.desired_replicas.labels("m", "mixed").set(2)
+    exported = {m.name: m for m in metrics.registry.collect()}["tokend:desired_replicas"]
+    if scaler["kind"] == "ScaledObject":
+        (trigger,) = scaler["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert trigger["metadata"]["threshold"] == "1"
+        query = trigger["metadata"]["query"]
+        assert re.fullmatch(r'sum\(tokend:desired_replicas\{namespace="tokend", role=~"mixed\|decode"\}\)', query)
+    else:
+        (metric,) = scaler["spec"]["metrics"]
+        assert metric["type"] == "External" and metric["external"]["target"] == {"type": "AverageValue",
+                                                                                 "averageValue": "1"}  # fmt: skip
+        assert metric["external"]["metric"]["selector"]["matchLabels"]["role"] == "mixed"
+    assert exported.type == "gauge" and [sample.labels for sample in exported.samples] == [
+        {"model_name": "m", "role": "mixed"}
+    ]
+    # A pod the scaler removes drains its streams before it stops (preStop, then the drain within the grace).
+    config = loaded_config(objects, tmp_path)
+    pod, container = tokend_pod(objects)
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + config.drain_timeout + SHUTDOWN_AFTER_DRAIN_S

@@ -28,6 +28,12 @@ _MIN_STEP_S = 0.001  # a step's least cost in the routing key, for a worker with
 # A prompt token's cost in the routing key until some worker's step-time model is fitted (its first few steps): a
 # small model's on a CPU, a large one's on a GPU, both within a few times of it.
 _DEFAULT_TOKEN_S = 1e-4
+# Past this imbalance of requests in flight, prefix-aware routing routes by load alone (SGLang's cache-aware router
+# does the same): a worker that holds many conversations' pages would otherwise keep them, its queue growing, for as
+# long as their prefill elsewhere costs more than its wait, while another worker idles. Imbalanced means the busiest
+# worker has more than _BALANCE_RELATIVE times, and over half a batch more than, the least busy one (a quarter of a
+# batch broke too many conversations off their pages: the multi-turn benchmark's --quick p50 went from 0.20x to 0.94x).
+_BALANCE_RELATIVE = 2.0
 
 
 @dataclass(eq=False)
@@ -184,6 +190,8 @@ class WorkerView:
             return min(candidates, key=lambda s: s.routing_key, default=None)
         # One price per prompt token for every candidate (they run the same model; their estimates differ by noise,
         # and a worker's first steps overprice it): a cold prompt then costs the same everywhere and the load decides.
+        if _imbalanced(candidates):
+            return min(candidates, key=lambda s: s.routing_key)
         price = max((s.seconds_per_token for s in candidates), default=0.0) or _DEFAULT_TOKEN_S
         return min(candidates, key=lambda s: self.prefix_cost(s, prompt, price))
 
@@ -221,3 +229,10 @@ class WorkerView:
 def _take_info(state: SchedulerState, info: WorkerInfo) -> None:
     state.worker_state, state.epoch = WorkerState(info.state), info.epoch
     state.warmup_seconds, state.standby, state.role = info.warmup_seconds, info.standby, Role(info.role)
+
+
+def _imbalanced(candidates: list[SchedulerState]) -> bool:
+    """Whether the workers' requests in flight are too uneven for the prefix term (see _BALANCE_RELATIVE)."""
+    loads = [s.outstanding for s in candidates]
+    batch = max((s.ready.max_num_seqs for s in candidates if s.ready is not None), default=4)
+    return max(loads) > _BALANCE_RELATIVE * min(loads) and max(loads) - min(loads) > max(1, batch // 2)

@@ -1,7 +1,8 @@
 """Validation of rendered Kubernetes objects: core objects against the `kubernetes` client's models (pydantic,
 strict: unknown fields, wrong types, missing required fields, plus the JSON field names themselves, since the models
 also accept their Python names); InferencePool, PodMonitor, HTTPRoute and KEDA's ScaledObject against the closed
-subsets below, written from the published CRDs for the fields tokend's manifests use (no PyPI package ships those schemas)."""
+subsets below, written from the published CRDs for the fields tokend's manifests use (no PyPI package ships those
+schemas)."""
 
 from __future__ import annotations
 

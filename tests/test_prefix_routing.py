@@ -94,6 +94,25 @@ def test_the_load_term_caps_a_hot_prefix(link):
     assert pick(link, SYSTEM + [1, 2]) == 1
 
 
+def test_requests_in_flight_more_than_half_a_batch_uneven_route_by_load_alone(link):
+    """Five requests sent to the worker holding the pages since its last report, none to the other: their projected
+    waits (66 ms against 1 ms) still favour the cached worker over a 128-token prefill (128 ms), but the imbalance
+    (more than twice, and more than half of an 8-request batch, over the other's) sends the next prompt to the idle
+    worker, as SGLang's cache-aware router does; within it the pages decide again."""
+    cache_on(link, 0, SYSTEM)
+    hot, idle = link.schedulers
+    load(hot, running=0, projected_ttft=0.01)
+    for _ in range(4):
+        hot.reserve()
+    assert pick(link, SYSTEM + [1, 2]) == 0  # 4 more: half a batch, not over it
+    hot.reserve()
+    assert pick(link, SYSTEM + [1, 2]) == 1
+    idle.reserve()
+    idle.reserve()
+    idle.reserve()
+    assert pick(link, SYSTEM + [1, 2]) == 0  # 5 against 3: even enough for the pages to count
+
+
 def test_with_weight_zero_routing_is_by_load_alone(link):
     cache_on(link, 1, SYSTEM)
     load(link.schedulers[1], running=1, projected_ttft=0.01)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -28,10 +29,15 @@ import jinja2.utils
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# The CPU time one render may take, on its own thread: CPU time, not wall time, so that a process stopped or starved
+# for a moment (a busy machine, SIGSTOP) does not fail a request whose template did little (the chaos run's stopped
+# frontend answered a chat 400). RENDER_WALL_LIMIT_S bounds the wait anyway: no request hangs on a render.
 RENDER_TIMEOUT_S = 1.0
+RENDER_WALL_LIMIT_S = 30.0
 # Template lines one render may execute: real templates take a few thousand for a long conversation; a loop that
-# would run for minutes stops here, on its own thread, soon after its request failed at RENDER_TIMEOUT_S.
+# would run for minutes stops here, or at RENDER_TIMEOUT_S of CPU time, whichever comes first.
 MAX_RENDER_STEPS = 2_000_000
+_CLOCK_EVERY_STEPS = 1024  # how often the step budget reads the thread's CPU clock
 MAX_PRODUCT_ITEMS = 1_000_000  # the longest string or list `*` may build in a template ("=" * 80 is the use)
 MAX_EXPONENT = 1024
 _TEMPLATE_FILENAME = "<template>"  # what jinja names a template compiled from a string
@@ -96,8 +102,10 @@ class ChatTemplate:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         template_kwargs: dict | None = None,
+        cpu_limit_s: float = RENDER_TIMEOUT_S,
     ) -> str:
-        """The prompt text, as transformers' apply_chat_template(tokenize=False) renders it."""
+        """The prompt text, as transformers' apply_chat_template(tokenize=False) renders it; ChatTemplateError past
+        MAX_RENDER_STEPS template lines or `cpu_limit_s` of this thread's CPU time."""
         template = self._select(tools)
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("messages: continue_final_message and add_generation_prompt exclude each other")
@@ -113,7 +121,7 @@ class ChatTemplate:
         variables = {**self._special_tokens, **(template_kwargs or {})}
         variables.update(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
         previous_trace = sys.gettrace()
-        sys.settrace(_StepBudget(MAX_RENDER_STEPS))
+        sys.settrace(_StepBudget(MAX_RENDER_STEPS, cpu_limit_s))
         try:
             rendered = template.render(variables)
         except TemplateError as error:
@@ -123,12 +131,15 @@ class ChatTemplate:
         return rendered if final is None else _cut_at_continuation(rendered, final)
 
     async def render_async(self, messages: list[dict], timeout: float = RENDER_TIMEOUT_S, **options) -> str:
-        """Renders on a worker thread; past the timeout the request fails at once (the thread runs on to its end:
-        Python cannot stop it, which is why conversations are bounded in size and count)."""
+        """Renders on a worker thread, which ends the render past `timeout` of its CPU time; past
+        RENDER_WALL_LIMIT_S of waiting the request fails anyway (the thread runs on to its end: Python cannot stop
+        it, which is why conversations are bounded in size and count)."""
+        render = asyncio.to_thread(self.render, messages, cpu_limit_s=timeout, **options)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self.render, messages, **options), timeout)
+            return await asyncio.wait_for(render, max(timeout, RENDER_WALL_LIMIT_S))
         except TimeoutError:
-            raise ChatTemplateError(f"messages: rendering the chat template took over {timeout} s") from None
+            limit = RENDER_WALL_LIMIT_S
+            raise ChatTemplateError(f"messages: rendering the chat template took over {limit} s") from None
 
     def _select(self, tools: list[dict] | None) -> jinja2.Template:
         if tools is not None and "tool_use" in self._templates:
@@ -238,8 +249,10 @@ class _StepBudget:
     """A trace hook for the rendering thread: counts the lines the template's own code runs, and ends the render
     with ChatTemplateError past the budget (jinja's sandbox bounds what a template may touch, not how long it runs)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, cpu_limit_s: float):
         self.steps_left = steps
+        self.cpu_deadline = time.thread_time() + cpu_limit_s
+        self.cpu_limit_s = cpu_limit_s
 
     def __call__(self, frame, event, arg):  # called for every new frame: only the template's are counted
         return self._count if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
@@ -249,6 +262,8 @@ class _StepBudget:
             self.steps_left -= 1
             if self.steps_left < 0:
                 raise ChatTemplateError(f"messages: the chat template ran over {MAX_RENDER_STEPS} steps")
+            if self.steps_left % _CLOCK_EVERY_STEPS == 0 and time.thread_time() > self.cpu_deadline:
+                raise ChatTemplateError(f"messages: rendering the chat template took over {self.cpu_limit_s} s")
         return self._count
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 import pytest
 
@@ -55,6 +56,19 @@ def test_a_render_that_runs_too_long_is_abandoned():
     template = ChatTemplate("{% for i in range(4000) %}{% for j in range(2000) %}{% endfor %}{% endfor %}", {})
     with pytest.raises(ChatTemplateError, match="took over"):
         asyncio.run(template.render_async(HI, timeout=0.2))
+
+
+def test_a_render_held_up_without_running_is_not_failed_for_it():
+    """The limit is the render's CPU time: a frontend stopped or starved for a moment (the chaos run's SIGSTOP, a
+    busy machine) still renders a cheap template, where a wall-clock limit answered 400."""
+
+    class HeldUp(ChatTemplate):
+        def render(self, messages, **options):
+            time.sleep(0.5)  # the thread is held up: wall time passes, no CPU time
+            return super().render(messages, **options)
+
+    template = HeldUp("{% for m in messages %}{{ m['content'] }}{% endfor %}", {})
+    assert asyncio.run(template.render_async(HI, timeout=0.2)) == "".join(m["content"] for m in HI)
 
 
 def test_transformers_environment_loop_controls_tojson_and_generation_tag():

@@ -19,7 +19,7 @@ a warm-up is served only by capacity already warm; at least `min_standby`.
 Reasons are short snake_case words, fit for a Prometheus label: up for `ttft`, `queue`, `forecast` (the slow
 loop's floor) or `floor` (min_workers); down for `quiet` or `ceiling` (max_workers lowered); hold for `steady`,
 `quiet_wait` (quiet, the delay not yet passed), `starting` (an action in flight), `cooldown` (a change just made),
-`ceiling`, `floor` or `forecast`.
+`ceiling`, `floor`, `forecast` or `peak_fleet` (the fleet a declared peak needs is warm: no cold start past it).
 """
 
 from __future__ import annotations

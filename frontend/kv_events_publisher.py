@@ -142,6 +142,12 @@ def binds(endpoint: str) -> bool:
     return not endpoint.startswith("tcp://") or host in ("*", "::", "0.0.0.0", "127.0.0.1", "::1", "localhost")
 
 
+def _loopback(endpoint: str) -> bool:
+    """Whether `endpoint` stays on this machine: ipc://, or TCP on a loopback address."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return not endpoint.startswith("tcp://") or host in ("127.0.0.1", "::1", "localhost")
+
+
 class KVEventsPublisher:
     """The PUB and replay sockets; `publish` is called from the frontend's loop with each worker's events."""
 
@@ -164,6 +170,10 @@ class KVEventsPublisher:
         except zmq.ZMQError:
             self._context.destroy(linger=0)
             raise
+        exposed = [e for e in (endpoint, replay_endpoint) if e and not _loopback(e)]
+        if exposed:  # the operator asked for it (the defaults are loopback), but the events carry prompts' token ids
+            log.warning("KV_EVENTS_BEYOND_LOOPBACK", endpoints=exposed,
+                        detail="every published page carries its prompt's token ids, unauthenticated")  # fmt: skip
         self._topic = topic  # "{model}" in it becomes the model's name
         self._box = BoxCache()
         self._encoder = msgspec.msgpack.Encoder()

@@ -97,3 +97,22 @@ def test_each_tier_is_its_own_medium_and_a_snapshot_replaces_what_a_worker_held(
     (published,) = box.changes("w1", stored([C]), 4)
     assert published.block_hashes == [external_hash(C)] and published.token_ids == [0, 1, 2, 3]
     assert box.changes("w1", None, 4) == []  # w0 still holds C
+
+
+def test_publishing_beyond_loopback_is_warned_of_at_start():
+    """The events carry prompts' token ids, unauthenticated: an endpoint off this machine (the operator's to ask
+    for; the defaults are loopback) is said at start, naming it; loopback and ipc:// are not."""
+    from frontend.kv_events_publisher import KVEventsPublisher
+
+    class Log:
+        def __init__(self):
+            self.warnings = []
+
+        def warning(self, event, **fields):
+            self.warnings.append((event, fields["endpoints"]))
+
+    quiet, loud = Log(), Log()
+    KVEventsPublisher("tcp://127.0.0.1:*", "", "{model}", quiet).close()
+    KVEventsPublisher("tcp://0.0.0.0:*", "tcp://127.0.0.1:*", "{model}", loud).close()
+    assert quiet.warnings == []
+    assert loud.warnings == [("KV_EVENTS_BEYOND_LOOPBACK", ["tcp://0.0.0.0:*"])]

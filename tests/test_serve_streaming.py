@@ -63,7 +63,11 @@ def test_tokens_arrive_as_they_are_decoded_not_at_the_end(daemon):
     """A long generation: its tokens must arrive spread over the decoding, not in a burst at the end. Measured from
     the first chunk, not from the request: on a loaded machine the first token's wait alone once took a third of the
     stream (0.48 s of 1.35 s) while the 768 tokens still streamed evenly; a stream held back to its end would have its
-    first chunk come with the last."""
+    first chunk come with the last.
+
+    Spread means: arriving in most tenths of the decoding time. A stream held back after its first token fills only
+    the first and the last tenth; one stall of the reader on a busy machine (busy run: 0.8 s, the 384 tokens decoded
+    meanwhile then read within 15 ms) empties a few tenths, not most."""
     request = pb.GenerateRequest(
         prompt="stream me", sampling=pb.SamplingParams(max_tokens=768, temperature=0, ignore_eos=True)
     )
@@ -72,13 +76,8 @@ def test_tokens_arrive_as_they_are_decoded_not_at_the_end(daemon):
     total, decoding = arrivals[-1] - sent, arrivals[-1] - arrivals[0]
     assert len(chunks) >= 768 // 4
     assert decoding > 0.25 * total, "the first token must arrive long before the last"
-    halfway = sum(len(chunk.token_ids) for _, chunk in chunks) // 2
-    tokens_seen, halfway_at = 0, None
-    for at, chunk in chunks:
-        tokens_seen += len(chunk.token_ids)
-        if halfway_at is None and tokens_seen >= halfway:
-            halfway_at = at
-    assert 0.2 * decoding < halfway_at - arrivals[0] < 0.8 * decoding, "half the tokens must arrive mid-stream"
+    tenths = {min(9, int(10 * (at - arrivals[0]) / decoding)) for at in arrivals}
+    assert len(tenths) >= 6, f"tokens arrived in only {sorted(tenths)} of the decoding's tenths"
 
 
 def test_chunk_texts_concatenate_to_the_full_decode(daemon):

@@ -15,7 +15,7 @@ from checkpoints import LLAMA_GQA, write_checkpoint
 from daemon_harness import Daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from frontend.tokenize_pool import TokenizePool
+from frontend.tokenize_pool import BULK_TEXT_CHARS, TokenizePool
 from gpu_runtime.default_model import ensure_tiny_random_model
 from gpu_runtime.tokenizer import Tokenizer, TooManyTokens
 from tokend.v1 import tokend_pb2 as pb
@@ -53,20 +53,31 @@ def test_the_loop_keeps_ticking_while_the_pool_tokenizes_megabytes():
     assert longest_gap < took / 3, (longest_gap, took)
 
 
-def test_tokenizing_yields_the_cpu_to_decoding():
-    """A prompt of megabytes is seconds of CPU: the pool's threads run below the schedulers' priority."""
+def test_a_bulk_text_is_tokenized_below_the_usual_priority_and_a_prompt_at_it(monkeypatch):
+    """A prompt of megabytes is seconds of CPU: it yields the cores to decoding; a usual prompt's TTFT waits on
+    nobody. What each text's tokenizing thread ran at, read from inside the tokenizer's call."""
+    tokenizer = Tokenizer(ensure_tiny_random_model())
+    niceness_seen: dict[int, int] = {}
+    encode = tokenizer.encode
 
-    def niceness_here() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def encode_and_note(text, *args):
+        niceness_seen[len(text)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return encode(text, *args)
 
-    async def pool_niceness() -> int:
+    monkeypatch.setattr(tokenizer, "encode", encode_and_note)
+
+    async def tokenize_both() -> None:
         pool = TokenizePool()
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool._executor, niceness_here)
+            for length in (100, BULK_TEXT_CHARS):
+                await pool.encode(tokenizer, "x" * length, True, max_tokens=2 * length)
         finally:
             pool.close()
 
-    assert asyncio.run(pool_niceness()) > niceness_here()
+    asyncio.run(tokenize_both())
+    usual = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert niceness_seen == {100: usual, BULK_TEXT_CHARS: niceness_seen[BULK_TEXT_CHARS]}
+    assert niceness_seen[BULK_TEXT_CHARS] > usual
 
 
 def test_a_prompt_past_the_token_limit_is_counted_not_listed():

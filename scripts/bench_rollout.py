@@ -38,6 +38,7 @@ from rollout_bench.checkpoints import write_tiny_llama  # noqa: E402
 from rollout_bench.report import plot, summarize  # noqa: E402
 from rollout_bench.traffic import MODEL, drive_long_streams, poisson_shorts  # noqa: E402
 
+from common.lanes import RolloutPhase  # noqa: E402
 from tokend.v1 import tokend_pb2 as pb  # noqa: E402
 from tokend.v1 import tokend_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -98,7 +99,8 @@ async def measure(address: str, new_path: str, strategy: str, args: argparse.Nam
         await admin.Rollout(pb.RolloutRequest(model=MODEL, path=new_path, strategy=strategy), timeout=30)
         while True:
             status = (await admin.GetRollout(pb.GetRolloutRequest(model=MODEL), timeout=30)).rollouts[0]
-            if status.phase in ("done", "failed") or time.monotonic() - rollout_called > ROLLOUT_TIMEOUT_S:
+            ended = status.phase in (RolloutPhase.DONE, RolloutPhase.FAILED)
+            if ended or time.monotonic() - rollout_called > ROLLOUT_TIMEOUT_S:
                 break
             await asyncio.sleep(POLL_S)
         rollout_ended = time.monotonic()

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from common.addresses import is_loopback
 from gpu_runtime.ipc.messages import KVEvents
 from gpu_runtime.kv_cache.kv_events import AllPagesCleared, PagesRemoved, PagesStored
 
@@ -135,17 +136,26 @@ class BoxCache:
         return [BlockRemoved(hashes, medium) for medium, hashes in gone.items()]
 
 
+def _tcp_host(endpoint: str) -> str | None:
+    """The host of a tcp:// endpoint (brackets kept off an IPv6 one); None for any other transport."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+
+
 def binds(endpoint: str) -> bool:
     """Whether the PUB socket binds `endpoint` or connects to it, as vLLM decides (a wildcard or ipc:// binds, a
-    router's address is connected to), loopback addresses bound too: tokend's default is to serve them locally."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return not endpoint.startswith("tcp://") or host in ("*", "::", "0.0.0.0", "127.0.0.1", "::1", "localhost")
+    router's address is connected to), loopback addresses bound too: tokend's default is to serve them locally.
+    A wildcard is bound only because the operator named it in --kv-events-endpoint (the default is loopback), and
+    then warned of at start (KV_EVENTS_BEYOND_LOOPBACK)."""
+    host = _tcp_host(endpoint)
+    return host is None or host in ("*", "::", "0.0.0.0") or is_loopback(host)
 
 
-def _loopback(endpoint: str) -> bool:
-    """Whether `endpoint` stays on this machine: ipc://, or TCP on a loopback address."""
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return not endpoint.startswith("tcp://") or host in ("127.0.0.1", "::1", "localhost")
+def _stays_on_this_machine(endpoint: str) -> bool:
+    """ipc://, or TCP on a loopback address."""
+    host = _tcp_host(endpoint)
+    return host is None or is_loopback(host)
 
 
 class KVEventsPublisher:
@@ -170,7 +180,7 @@ class KVEventsPublisher:
         except zmq.ZMQError:
             self._context.destroy(linger=0)
             raise
-        exposed = [e for e in (endpoint, replay_endpoint) if e and not _loopback(e)]
+        exposed = [e for e in (endpoint, replay_endpoint) if e and not _stays_on_this_machine(e)]
         if exposed:  # the operator asked for it (the defaults are loopback), but the events carry prompts' token ids
             log.warning("KV_EVENTS_BEYOND_LOOPBACK", endpoints=exposed,
                         detail="every published page carries its prompt's token ids, unauthenticated")  # fmt: skip

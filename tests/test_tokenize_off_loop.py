@@ -14,6 +14,7 @@ import pytest
 from checkpoints import LLAMA_GQA, write_checkpoint
 from daemon_harness import Daemon
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.run_queue import RunQueueWait
 
 from frontend.tokenize_pool import BULK_TEXT_CHARS, TokenizePool
 from gpu_runtime.default_model import ensure_tiny_random_model
@@ -194,23 +195,30 @@ class HugePromptBeside:
         self.answered = time.monotonic()
 
 
-def _longest_stream_pause(daemon: Daemon, seconds: float, beside: HugePromptBeside | None = None) -> float:
-    """The longest wait between chunks of a streaming request that runs for about `seconds`; with `beside` started
-    once its first chunks are in, and on until a second after `beside` is done."""
+def _longest_stream_pause(
+    daemon: Daemon, seconds: float, beside: HugePromptBeside | None = None
+) -> tuple[float, float]:
+    """The longest wait between chunks of a streaming request that runs for about `seconds` (with `beside` started
+    once its first chunks are in, and on until a second after `beside` is done), and how long this process's
+    threads were meanwhile kept off the CPU (RunQueueWait)."""
     request = pb.GenerateRequest(prompt="steady", sampling=pb.SamplingParams(max_tokens=100_000, ignore_eos=True))
     call = daemon.generation.Generate(request, timeout=120)
     arrivals: list[float] = []
+    client_wait = RunQueueWait()
     for _ in call:
         arrivals.append(time.monotonic())
-        if len(arrivals) == 5 and beside is not None:
-            beside.start()
+        if len(arrivals) == 5:
+            client_wait.start()
+            if beside is not None:
+                beside.start()
         waited = arrivals[-1] - arrivals[0] > seconds
         if waited and (beside is None or not beside.is_alive() and arrivals[-1] - beside.answered > 1.0):
             call.cancel()
             break
     if beside is not None:
         beside.join()
-    return max(later - earlier for earlier, later in zip(arrivals[4:], arrivals[5:], strict=False))
+    longest = max(later - earlier for earlier, later in zip(arrivals[4:], arrivals[5:], strict=False))
+    return longest, client_wait.seconds()
 
 
 def _most_failures_in_a_row(statuses: list[int | None]) -> int:
@@ -225,12 +233,12 @@ def test_a_huge_prompt_stalls_no_other_stream_and_no_health_check(daemon):
     """Tokenized on the event loop, the prompt would pause every stream and health check for as long as it took.
     Off it, the stream's longest pause stays within its own pauses without the prompt (taken before and after: a
     neighbour's load on this machine may start or stop meanwhile) or under half the prompt's time (a neighbour's
-    load slows it alike), and no three checks in a row miss their 1 s deadline (kubelet's default timeout and
-    failureThreshold: the pod would not be restarted)."""
-    before = _longest_stream_pause(daemon, 2.0)
+    load slows it alike), plus whatever time this client was itself kept off the CPU; and no three checks in a row
+    miss their 1 s deadline (kubelet's default timeout and failureThreshold: the pod would not be restarted)."""
+    before, _ = _longest_stream_pause(daemon, 2.0)
     beside = HugePromptBeside(daemon)
-    during = _longest_stream_pause(daemon, 2.0, beside)
-    baseline = max(before, _longest_stream_pause(daemon, 2.0))
+    during, client_kept_off_the_cpu = _longest_stream_pause(daemon, 2.0, beside)
+    baseline = max(before, _longest_stream_pause(daemon, 2.0)[0])
     assert beside.error is not None
     assert beside.error.code() == grpc.StatusCode.INVALID_ARGUMENT and beside.error.details().startswith("prompt: ")
     assert "tokens leave no room" in beside.error.details()  # refused for its length in tokens: it was tokenized
@@ -238,7 +246,8 @@ def test_a_huge_prompt_stalls_no_other_stream_and_no_health_check(daemon):
     assert answered and set(answered) == {health_pb2.HealthCheckResponse.SERVING}, beside.health
     assert _most_failures_in_a_row(beside.health) < 3, beside.health
     handling = beside.answered - beside.sent
-    assert during < max(0.5, 3 * baseline, handling / 2), (during, baseline, handling)
+    bound = max(0.5, 3 * baseline, handling / 2) + client_kept_off_the_cpu  # the latter: not the daemon's doing
+    assert during < bound, (during, baseline, handling, client_kept_off_the_cpu)
 
 
 def test_a_huge_chat_is_refused_naming_its_messages(daemon):

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -95,6 +99,16 @@ def test_a_text_far_over_the_limit_is_refused_after_tokenizing_about_twice_the_l
     with pytest.raises(TooManyTokens) as too_many:
         tokenizer.encode(BIG_PROMPT, max_tokens=20_000)
     assert not too_many.value.exact and 20_000 < too_many.value.num_tokens <= 2 * 20_000 + 64
+
+
+def test_the_refusal_benchmark_prints_what_refusing_cost():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_prompt_refusal.py"
+    command = [sys.executable, str(script), "--contexts", "4096", "65536", "--megabytes", "0.5"]
+    report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout)
+    for row, context in zip(report["rows"], (4096, 65536), strict=True):
+        assert row["context"] == context and row["refused"] and row["seconds"] > 0
+        assert context < row["tokens_counted"] <= 2 * context + 64  # counted a little past the limit, no further
+        assert row["peak_rss_growth_mib"] >= 0
 
 
 def _trained_bpe(tmp_path, words_split_by: str) -> Tokenizer:

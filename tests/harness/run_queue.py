@@ -3,7 +3,7 @@ queue is the machine's, not the daemon's.
 
 On this 2-core machine, with other tests' daemons beside it, the kernel's group scheduling can leave a light process
 (a test, mostly asleep) runnable but not running for a second or more while heavier groups run: measured beside a
-huge prompt's tokenizing, the stream reader waited 0.4-1.3 s of a 0.5-1.3 s pause while the daemon's frontend loop
+huge prompt's tokenizing, the stream reader waited 0.4-1.5 s of a 0.5-1.5 s pause while the daemon's frontend loop
 waited under 0.25 s. Linux's schedstat counts that wait per thread."""
 
 from __future__ import annotations

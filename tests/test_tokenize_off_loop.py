@@ -106,9 +106,8 @@ def test_the_refusal_benchmark_prints_what_refusing_cost():
     command = [sys.executable, str(script), "--contexts", "4096", "65536", "--megabytes", "0.5"]
     report = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout)
     for row, context in zip(report["rows"], (4096, 65536), strict=True):
-        assert row["context"] == context and row["refused"] and row["seconds"] > 0
+        assert row["context"] == context and row["refused"]
         assert context < row["tokens_counted"] <= 2 * context + 64  # counted a little past the limit, no further
-        assert row["peak_rss_growth_mib"] >= 0
 
 
 def _trained_bpe(tmp_path, words_split_by: str) -> Tokenizer:

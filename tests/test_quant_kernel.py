@@ -1,9 +1,10 @@
 """The CPU quantized-matmul kernel (gpu_runtime/quant/csrc/quant_matmul_cpu.cpp) against dequantize-then-matmul,
 for every block type it serves, on odd shapes (output rows no multiple of the threads' chunks) and batches 1..40.
 
-The 8-bit-activation path quantizes each 32 values of x to int8 with scale amax/127, so each value is off by at
-most amax/254; a row's result is then off by at most sum over blocks of (sum |w| over the block) x amax/254, the
-bound each result is checked against (plus float32 rounding). The float paths are checked to float32 rounding.
+The integer-activation paths round each 32 values of x to b bits with the scale amax/(2^(b-1) - 1), so each value
+is off by at most amax/254 (int8) or amax/65534 (int16); a row's result is then off by at most the sum over blocks
+of (sum |w| over the block) x that error, the bound each result is checked against (plus float32 rounding). The
+float paths are checked to float32 rounding.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from gguf.quants import quantize
 from gpu_runtime.gguf.dequantize import dequantize
 from gpu_runtime.quant.blocks import BlockFormat
 from gpu_runtime.quant.kernel import load_quant_kernel
-from gpu_runtime.quant.linear import MAX_DECODE_ROWS, QuantizedEmbedding, QuantizedLinear
+from gpu_runtime.quant.linear import (
+    DECODE_ACTIVATION_BITS,
+    FLOAT_ACTIVATION_ROWS,
+    MAX_DECODE_ROWS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -50,11 +57,11 @@ def _blocks(tensor_type: GGMLQuantizationType, rows: int, k: int, seed: int) -> 
     return raw
 
 
-def _int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[rows of x, rows of w]: the most the 8-bit activation can move each result (see the module docstring)."""
+def _rounding_bound(x: torch.Tensor, w: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows of x, rows of w]: the most rounding x to `bits` bits can move each result (see the module docstring)."""
     amax = x.reshape(x.shape[0], -1, 32).abs().amax(-1)  # [m, blocks]
     w_l1 = w.reshape(w.shape[0], -1, 32).abs().sum(-1)  # [n, blocks]
-    return (amax / 254) @ w_l1.T
+    return (amax / (2 * (2 ** (bits - 1) - 1))) @ w_l1.T
 
 
 @pytest.mark.parametrize("tensor_type", TYPES, ids=lambda t: t.name)
@@ -67,12 +74,15 @@ def test_the_kernel_equals_dequantize_then_matmul(ops, tensor_type):
     generator = torch.Generator().manual_seed(0)
     for m in BATCHES:
         x = torch.randn(m, k, generator=generator)
+        x[:, 3] *= 40  # an activation outlier, as real models have: the integer paths' bound scales with it
         expected = x.double() @ w.double().T
         scale = expected.abs().max().item()
         rounding = 1e-5 * scale + 1e-6
-        int8 = ops.matmul_decode(x, blocks, int(tensor_type), k, True).double()
-        assert ((int8 - expected).abs() <= _int8_bound(x, w).double() + rounding).all(), (tensor_type.name, m)
-        as_float = ops.matmul_decode(x, blocks, int(tensor_type), k, False).double()
+        for bits in (8, 16):
+            rounded = ops.matmul_decode(x, blocks, int(tensor_type), k, bits).double()
+            bound = _rounding_bound(x, w, bits).double() + rounding
+            assert ((rounded - expected).abs() <= bound).all(), (tensor_type.name, m, bits)
+        as_float = ops.matmul_decode(x, blocks, int(tensor_type), k, 32).double()
         torch.testing.assert_close(as_float, expected, atol=rounding, rtol=0)
         tiled = ops.matmul_tiled(x, blocks, int(tensor_type), k, 16).double()  # 16 rows a tile: a ragged last one
         torch.testing.assert_close(tiled, expected, atol=rounding, rtol=0)
@@ -86,9 +96,13 @@ def test_quantized_linear_takes_the_decode_path_for_decode_batches_and_the_gemm_
         linear.weight.copy_(torch.from_numpy(raw.copy()))
         linear.bias.copy_(torch.arange(rows, dtype=torch.float32))
     w = dequantize(raw, Q.Q4_1, (rows, k), "blk.0.ffn_up.weight")
-    for m in (1, MAX_DECODE_ROWS, MAX_DECODE_ROWS + 1):
+    for m in (1, FLOAT_ACTIVATION_ROWS, MAX_DECODE_ROWS + 1):
         x = torch.randn(m, k)
-        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w, linear.bias), atol=1e-4, rtol=1e-5)
+        if m < FLOAT_ACTIVATION_ROWS:  # the kernel's decode path, x rounded as it rounds it
+            decoded = ops.matmul_decode(x, linear.weight, int(Q.Q4_1), k, DECODE_ACTIVATION_BITS) + linear.bias
+            assert torch.equal(linear(x), decoded)
+        else:  # x kept in float32 (the decode path's float variant, then the GEMM on the dequantized matrix)
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w, linear.bias), atol=1e-4, rtol=1e-5)
 
 
 def test_a_quantized_embedding_gathers_exactly_the_dequantized_rows(ops):

@@ -1,11 +1,11 @@
 """GGUF weights served in their blocks (quantization "auto") against the same file dequantized to float32 ("none").
 
-Both paths multiply the very same block values (dequantization is exact), and the decode path keeps x in float32
-(gpu_runtime/quant/linear.py INT8_ACTIVATION_TYPES), so they differ only by float32 summation order: the logits
-agree to a relative 1e-5 (asserted at 1e-3), as the prepacked and plain float32 matmuls do. Hence Q8_0 greedy tokens
-identical, and the 4-bit default model's teacher-forced top-1 at least 99% the same (it is 100% here). With 8-bit
-activations (llama.cpp's way: each 32 values of x rounded to int8, at most amax/254 off per value, the bound
-test_quant_kernel.py checks) SmolLM2's logits move by ~3% and top-1 agreement falls to ~98%.
+Both paths multiply the very same block values (dequantization is exact); the decode path rounds each 32 values of
+x to int16 (gpu_runtime/quant/linear.py DECODE_ACTIVATION_BITS: each value off by at most amax/65534, the bound
+test_quant_kernel.py checks). Through SmolLM2's 30 layers that moves the teacher-forced logits by a relative 1.3e-3
+(median of the prompts' worst positions; 2.2e-3 at most, asserted under 5e-3) and leaves top-1 100% the same (at
+least 99% asserted); Q8_0's greedy tokens stay identical. x kept in float32 (32 bits) moves them by 1e-5, summation
+order only; llama.cpp's 8-bit x by up to 0.25, and top-1 falls to ~98% (SmolLM2's activations have outliers).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_the_4_bit_default_model_agrees_with_its_float32_path_teacher_forced(ker
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += ref.shape[0]
         relative = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert relative.max() < 1e-3, relative.max()
+        assert relative.max() < 5e-3, relative.max()
     assert total == NUM_PROMPTS * NUM_TOKENS and agree / total >= 0.99, agree / total
     assert quantized.engine.memory.weights_bytes < 0.3 * LLM_weights_bytes_float()
 

@@ -12,11 +12,16 @@ from gpu_runtime.quant.kernel import load_quant_kernel
 # Up to this many rows of x (a decode batch) the kernel's GEMV path runs, each weight block dequantized in registers
 # and met by every row; more rows (a prefill chunk) dequantize W (one matrix, briefly) for oneDNN's GEMM.
 MAX_DECODE_ROWS = 16
-# The block types whose decode path also quantizes x to 8 bits per 32 values (llama.cpp's way: integer dot
-# products). None by default: on SmolLM2 it moves the logits by ~3% (its activations have outliers that crush a
-# block's other values) and top-1 agreement with the float32 path falls to ~98%, where float activations agree
-# exactly, for a decode step some 1.3-1.6x slower (docs/BENCHMARKS.md).
-INT8_ACTIVATION_TYPES: frozenset = frozenset()
+# The decode path rounds each 32 values of x to this many bits before the integer dot products: 16 (int16 x int16
+# pairs, each value off by at most amax/65534: SmolLM2's teacher-forced top-1 equals the float path's) or 32 (x kept
+# in float32, each weight block converted to floats: exact up to summation order, and slower). 8 is llama.cpp's way
+# (q8_1), kept for the benchmark's comparison: SmolLM2's activation outliers crush a block's other values and top-1
+# agreement falls to ~98% (docs/BENCHMARKS.md).
+DECODE_ACTIVATION_BITS = 16
+# From this many rows x stays float32 whatever the setting above: there the float path (each weight block converted
+# once for eight rows) is the faster. A decode pass over SmolLM2's weights, one thread, rows 1/4/8/16: 16 bits
+# 21.5/36.1/68.7/125.4 ms, float 42.4/45.5/55.7/84.5 ms (and oneDNN on the dequantized matrices 68.5-121 ms).
+FLOAT_ACTIVATION_ROWS = 8
 
 
 def _block_weight(rows: int, in_features: int, block: BlockFormat) -> nn.Parameter:
@@ -50,7 +55,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).contiguous()
         kind, k = int(self.block.type), self.in_features
         if x2.shape[0] <= MAX_DECODE_ROWS:
-            y = ops.matmul_decode(x2, self.weight, kind, k, self.block.type in INT8_ACTIVATION_TYPES)
+            bits = DECODE_ACTIVATION_BITS if x2.shape[0] < FLOAT_ACTIVATION_ROWS else 32
+            y = ops.matmul_decode(x2, self.weight, kind, k, bits)
         else:  # the whole matrix dequantized once for one GEMM: a prefill chunk's rows amortise it
             y = _gemm(x2, ops.dequantize(self.weight, kind, k))
         if self.bias is not None:

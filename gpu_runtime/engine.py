@@ -56,7 +56,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         self.config = config
         # A directory, a .gguf file (converted into the cache once), a built-in model's name, or none: the default.
-        model_dir = resolve_model_dir(config.model, config.quantization)
+        # No rank multiplies GGUF blocks under tensor parallelism (plan_quantized refuses them), so there "auto"
+        # serves the float32 conversion, as it does on a device without the kernel.
+        quantization = config.quantization if config.tensor_parallel_size == 1 else "none"
+        model_dir = resolve_model_dir(config.model, quantization)
         self.model_dir = model_dir
         self.model_name = config.served_model_name or served_name(config.model)
         self.model_config = load_capped_model_config(model_dir, config.max_model_len)

@@ -123,11 +123,12 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
     quantization: Annotated[
         Literal["auto", "none"],
         _doc(
-            "GGUF weights: auto serves the blocks the file holds (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as they are, "
-            "multiplied in place by the CPU kernel (less memory, faster batch-1 decode, slower batches today: "
-            "docs/BENCHMARKS.md); none dequantizes them to float32 at conversion (the exact path, the default)"
+            "GGUF weights: auto (the default) serves the blocks the file holds (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as "
+            "they are, multiplied in place by the CPU kernel where it can (a CPU in float32, one rank; elsewhere "
+            "dequantized at load): a seventh of the memory, batch-1 decode ~3x faster (docs/BENCHMARKS.md); none "
+            "dequantizes them to float32 at conversion (the path transformers' outputs are checked against)"
         ),
-    ] = "none"
+    ] = "auto"
     generation_config: Annotated[
         str,
         _doc(

@@ -1,6 +1,7 @@
-"""The default model's GGUF served three ways on one CPU thread: tokend quantized (blocks kept, the kernel of
-gpu_runtime/quant), tokend float32 (quantization "none"), and llama.cpp (llama-cpp-python, if a Python with it is
-given: install it in a separate venv, never tokend's). Prints JSON; --output writes it, --plot a chart.
+"""The default model's GGUF served four ways on one CPU thread: tokend quantized (blocks kept, the kernel of
+gpu_runtime/quant, the default), the same with the decode path's x kept in float32 (its way before int16), tokend
+float32 (quantization "none"), and llama.cpp (llama-cpp-python, if a Python with it is given: install it in a
+separate venv, never tokend's). Prints JSON; --output writes it, --plot a chart.
 
 Measured: batch-1 ms per output token over 128 greedy tokens after a 200-word prompt (the decode steps only, first
 token excluded); 16 concurrent streams' output tokens/s (16 such prompts, distinct, all at once, prefill included;
@@ -33,7 +34,19 @@ def prompt(index: int) -> str:
     return " ".join(_WORDS[(index * 7 + i * (index + 1)) % len(_WORDS)] for i in range(PROMPT_WORDS))
 
 
-def bench_tokend(quantization: str) -> dict:
+def bench_tokend(quantization: str, activation_bits: int | None = None) -> dict:
+    """`activation_bits`: the decode path's rounding of x (gpu_runtime/quant/linear.py), where not its default."""
+    from gpu_runtime.quant import linear
+
+    default_bits = linear.DECODE_ACTIVATION_BITS
+    linear.DECODE_ACTIVATION_BITS = activation_bits or default_bits
+    try:
+        return _measure(quantization)
+    finally:
+        linear.DECODE_ACTIVATION_BITS = default_bits
+
+
+def _measure(quantization: str) -> dict:
     import torch
 
     from gpu_runtime import LLM, SamplingParams
@@ -111,7 +124,8 @@ def plot(results: dict, path: Path) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for axis, (key, title) in zip(axes, metrics, strict=True):
         values = [results["servers"][n][key] / (1 << 20 if key == "weights_bytes" else 1) for n in names]
-        bars = axis.bar(names, values, color=["#2b7bba", "#999999", "#d95f02"][: len(names)])
+        labels = [name.replace(" ", "\n", 1) for name in names]  # "tokend" above the rest: four bars' labels fit
+        bars = axis.bar(labels, values, color=["#2b7bba", "#7fb3d5", "#999999", "#d95f02"][: len(names)])
         axis.bar_label(bars, fmt="%.1f")
         axis.set_title(title, fontsize=10)
         axis.tick_params(axis="x", labelsize=8)
@@ -129,7 +143,11 @@ def main() -> int:
     from gpu_runtime.default_model import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
-    servers = {"tokend quantized": bench_tokend("auto"), "tokend float32": bench_tokend("none")}
+    servers = {
+        "tokend quantized": bench_tokend("auto"),
+        "tokend quantized, float32 x": bench_tokend("auto", activation_bits=32),  # the decode path before int16
+        "tokend float32": bench_tokend("none"),
+    }
     if args.llama_python:
         servers["llama.cpp"] = bench_llama_cpp(args.llama_python, gguf)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()

@@ -220,7 +220,8 @@ def test_converted_once_then_reused_and_converted_anew_when_the_file_changes(tmp
     first = ensure_converted(path)
     written = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_converted(path) == first and (first / "model.safetensors").stat().st_mtime_ns == written
-    assert not list(first.parent.glob(".writing-*")), "no scratch directory is left behind"
+    # This file's scratch directories only: the cache is shared with other tests' conversions, running beside it.
+    assert not list(first.parent.glob(f".writing-{first.name}-*")), "no scratch directory is left behind"
     write_tiny_gguf(path, tensor_type=Q.Q8_0)  # replaced: another size (and modification time)
     second = ensure_converted(path)
     assert second != first
@@ -238,7 +239,8 @@ def test_an_unsupported_architecture_or_tokenizer_is_refused_by_name(tmp_path, o
     write_tiny_gguf(path, **options)
     with pytest.raises(ValueError, match=refusal):
         ensure_converted(path)
-    assert not converted_dir(path).exists() and not list(converted_dir(path).parent.glob(".writing-*"))
+    target = converted_dir(path)
+    assert not target.exists() and not list(target.parent.glob(f".writing-{target.name}-*"))
 
 
 def test_serve_takes_a_built_in_name_or_a_gguf_file_and_refuses_anything_else(tiny_gguf):

@@ -42,7 +42,8 @@ GREEDY_CASES = [
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(DEFAULT_MODEL_NAME, max_num_seqs=64) as llm:
+    # Float32 (quantization none): transformers, the reference, reads the same weights so.
+    with LLM(DEFAULT_MODEL_NAME, max_num_seqs=64, quantization="none") as llm:
         yield llm
 
 

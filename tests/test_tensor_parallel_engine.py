@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 from checkpoints import QWEN2, write_checkpoint
 from conftest import kv_bytes_for, random_prompts, transformers_greedy
+from gguf import GGMLQuantizationType
+from test_gguf import write_tiny_gguf
 
 from gpu_runtime import LLM, SamplingParams
+from gpu_runtime.gguf.convert import converted_dir
 from gpu_runtime.ipc.pooling import PoolingParams, PoolingType
 from gpu_runtime.tp.rank_group import RankLost
 
@@ -128,3 +131,19 @@ def test_heads_that_do_not_split_are_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads 4"):
         LLM(str(model_dir), tensor_parallel_size=3)
     assert rank_processes() == []
+
+
+def test_a_quantized_gguf_under_two_ranks_serves_its_float32_conversion(tmp_path):
+    """quantization "auto" (the default) keeps GGUF blocks only where one process multiplies them; no rank does, so
+    two ranks serve the float32 conversion instead of refusing the file, and generate what one process serving that
+    conversion does."""
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_tiny_gguf(path, GGMLQuantizationType.Q8_0)
+    requests = [{"prompt_token_ids": p} for p in random_prompts(4, 4, 20, seed=3)]
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(str(path), quantization="none", max_num_seqs=4) as one:
+        single = [o.outputs[0].token_ids for o in one.generate(requests, greedy)]
+    with LLM(str(path), tensor_parallel_size=2, max_num_seqs=4) as two:
+        assert two.engine.model_dir == converted_dir(path)  # not the "-blocks" conversion
+        split = [o.outputs[0].token_ids for o in two.generate(requests, greedy)]
+    assert split == single and all(len(tokens) == NUM_TOKENS for tokens in split)

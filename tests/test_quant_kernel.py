@@ -88,6 +88,17 @@ def test_the_kernel_equals_dequantize_then_matmul(ops, tensor_type):
         torch.testing.assert_close(tiled, expected, atol=rounding, rtol=0)
 
 
+def test_a_nan_in_x_reaches_that_rows_outputs_as_in_the_float_path(ops):
+    """Rounding x to int16 must not turn a broken activation into finite garbage (the engine notices NaN logits)."""
+    rows, k = SHAPES[Q.Q4_1]
+    blocks = torch.from_numpy(_blocks(Q.Q4_1, rows, k, seed=3).copy())
+    x = torch.randn(3, k)
+    x[1, 7] = float("nan")
+    for bits in (16, 32):
+        y = ops.matmul_decode(x, blocks, int(Q.Q4_1), k, bits)
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all(), bits
+
+
 def test_quantized_linear_takes_the_decode_path_for_decode_batches_and_the_gemm_beyond(ops):
     rows, k = SHAPES[Q.Q4_1]
     raw = _blocks(Q.Q4_1, rows, k, seed=1)

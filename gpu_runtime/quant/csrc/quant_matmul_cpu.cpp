@@ -356,10 +356,10 @@ Q16Rows quantize_activation16(const float* x, int64_t rows, int64_t k) {
       sum += v[j];
     }
     const float d = amax / 32767.f;
-    const float id = d > 0.f ? 1.f / d : 0.f;
+    const float id = d > 0.f && std::isfinite(sum) ? 1.f / d : 0.f;
     int16_t* q = a.q.data() + i * QK;
     for (int j = 0; j < QK; ++j) q[j] = static_cast<int16_t>(std::nearbyint(v[j] * id));
-    a.d[i] = d;
+    a.d[i] = std::isfinite(sum) ? d : NAN;  // a NaN or infinity in x reaches the output, as the float path's would
     a.sum[i] = sum;
   }
   return a;

@@ -99,6 +99,22 @@ def test_a_nan_in_x_reaches_that_rows_outputs_as_in_the_float_path(ops):
         assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all(), bits
 
 
+def test_the_kernels_rms_norm_equals_torchs_to_float32_rounding(ops):
+    generator = torch.Generator().manual_seed(4)
+    for shape in [(1, 576), (5, 3, 64), (40, 96)]:  # a decode row, Qwen3's per-head norms, a prefill chunk
+        x = torch.randn(shape, generator=generator) * 3
+        x[..., 1] *= 50  # an outlier, as in real activations
+        weight = torch.randn(shape[-1], generator=generator)
+        expected = torch.nn.functional.rms_norm(x.double(), (shape[-1],), weight.double(), 1e-6)
+        got = ops.rms_norm(x, weight, 1e-6)
+        assert got.shape == x.shape
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    strided = torch.randn(4, 128)[:, ::2]  # a view: the kernel reads it as it is laid out
+    torch.testing.assert_close(
+        ops.rms_norm(strided, torch.ones(64), 1e-5), torch.nn.functional.rms_norm(strided, (64,), eps=1e-5)
+    )
+
+
 def test_quantized_linear_takes_the_decode_path_for_decode_batches_and_the_gemm_beyond(ops):
     rows, k = SHAPES[Q.Q4_1]
     raw = _blocks(Q.Q4_1, rows, k, seed=1)

@@ -27,10 +27,12 @@ from gpu_runtime.default_model import ensure_default_model, resolve_model_dir
 from gpu_runtime.gguf.convert import converted_dir
 from gpu_runtime.model import loader, registry
 from gpu_runtime.model.config import load_model_config
+from gpu_runtime.model.llama import RMSNorm
 from gpu_runtime.quant import linear as quant_linear
 from gpu_runtime.quant.blocks import QUANTIZED_WEIGHTS_FILE, BlockFormat, is_matrix_weight
 from gpu_runtime.quant.kernel import load_quant_kernel
 from gpu_runtime.quant.linear import QuantizedEmbedding, QuantizedLinear
+from gpu_runtime.quant.norm import KernelRMSNorm
 from gpu_runtime.quant.plan import QuantizedPlan, plan_quantized, swap_modules
 
 pytestmark = pytest.mark.engine
@@ -71,8 +73,11 @@ def test_a_q8_0_gguf_is_served_in_its_blocks_at_a_fraction_of_the_bytes(kernel, 
     linears = [m for m in _model(quantized).modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 4 * len(_model(quantized).layers) + 1  # qkv, o, gate_up, down a layer; lm_head
     assert all(m.block.type is GGMLQuantizationType.Q8_0 for m in linears)
+    # The norms between the kernel's matmuls are the kernel's too; the float path keeps torch's.
+    assert all(type(m) is not RMSNorm for m in _model(quantized).modules())
+    assert any(isinstance(m, KernelRMSNorm) for m in _model(quantized).modules())
     dequantized = LLM(str(q8_gguf), quantization="none", max_num_seqs=4)
-    assert not any(isinstance(m, QuantizedLinear) for m in _model(dequantized).modules())
+    assert not any(isinstance(m, QuantizedLinear | KernelRMSNorm) for m in _model(dequantized).modules())
     assert quantized.engine.memory.weights_bytes < 0.5 * dequantized.engine.memory.weights_bytes
     # The tiny model's random logits are all but tied, so its tokens are not compared here; the real model's are.
     assert all(len(tokens) == NUM_TOKENS for tokens in _greedy(quantized, PROMPTS[:4]))
@@ -170,8 +175,10 @@ def test_the_4_bit_default_model_agrees_with_its_float32_path_teacher_forced(ker
     quantized = LLM(quantization="auto", **options)
     assert isinstance(_model(quantized).layers[0].mlp.gate_up_proj, QuantizedLinear)
     assert _model(quantized).layers[0].mlp.gate_up_proj.block.type is GGMLQuantizationType.Q4_1
-    # Every row through the decode path (not the prefill GEMM), as if each position were decoded one at a time.
+    # Every row through the decode path (not the prefill GEMM), and with x rounded to int16 as a decode of fewer than
+    # FLOAT_ACTIVATION_ROWS rows has it: as if each position were decoded one at a time.
     monkeypatch.setattr(quant_linear, "MAX_DECODE_ROWS", 1 << 30)
+    monkeypatch.setattr(quant_linear, "FLOAT_ACTIVATION_ROWS", 1 << 30)
     served = _teacher_forced_logits(quantized, sequences)
     agree = total = 0
     for prompt, ref, got in zip(prompts, reference, served, strict=True):

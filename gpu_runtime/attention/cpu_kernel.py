@@ -14,7 +14,7 @@ import hashlib
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +65,13 @@ def load_cpu_kernel():
         return None
 
 
-def build_library(prefix: str, source: Path) -> None:
-    """Builds a C++ source that registers its own torch operators (once per machine, CPU, torch and source: the
-    directory's name keys them in) into the kernels cache, and loads it into torch; raises what the build raised."""
+def build_library(prefix: str, sources: Path | Sequence[Path]) -> None:
+    """Builds C++ sources that register their own torch operators (once per machine, CPU, torch and source: the
+    directory's name keys them in) into the kernels cache as one library, and loads it into torch; raises what the
+    build raised."""
     from torch.utils.cpp_extension import load_inline
 
-    text = source.read_text()
+    text = "\n".join(path.read_text() for path in ([sources] if isinstance(sources, Path) else sources))
     name = f"{prefix}_{build_fingerprint(text)}"
     directory = kernel_directory() / name
     directory.mkdir(parents=True, exist_ok=True)
@@ -85,11 +86,13 @@ def build_library(prefix: str, source: Path) -> None:
     )
 
 
-def load_library(prefix: str, source: Path, operators: Callable[[], Any], event: str, fallback: str) -> Any | None:
+def load_library(
+    prefix: str, sources: Path | Sequence[Path], operators: Callable[[], Any], event: str, fallback: str
+) -> Any | None:
     """build_library, then `operators()` (what the library registered); None where it cannot be built, said once:
     a JSON warning `event` in a tokend process, a plain line on stderr elsewhere (the offline API)."""
     try:
-        build_library(prefix, source)
+        build_library(prefix, sources)
         return operators()
     except Exception as error:  # a missing compiler, ninja or header; a read-only directory; a build error
         reason = f"{type(error).__name__}: {str(error).strip()[:300]}"

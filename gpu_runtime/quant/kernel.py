@@ -1,4 +1,5 @@
-"""The C++ quantized-matmul kernel for the CPU (csrc/quant_matmul_cpu.cpp): built once per machine, then loaded.
+"""The C++ quantized-matmul kernel for the CPU (csrc/quant_matmul_cpu.cpp, with csrc/rms_norm_cpu.cpp): built
+once per machine, then loaded.
 
 Built like the paged-attention kernel (gpu_runtime/attention/cpu_kernel.py): torch's JIT extension builder, for
 this CPU's instruction set, into the kernels cache, keyed by the CPU's features, torch's version and the source.
@@ -18,13 +19,14 @@ from gpu_runtime.attention.cpu_kernel import load_library
 
 # Built with cpu_kernel's flags: -march=native (AVX2 + FMA + F16C where the machine has them; the source falls back
 # to float dot products without AVX2), -fopenmp (at::parallel_for uses torch's OpenMP threads).
-_SOURCE = Path(__file__).with_name("csrc") / "quant_matmul_cpu.cpp"
+# The matmuls, and the norm that runs between them on a model served in blocks (gpu_runtime/quant/norm.py).
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("quant_matmul_cpu.cpp", "rms_norm_cpu.cpp")]
 
 
 @functools.cache
 def load_quant_kernel():
     """torch.ops.tokend_quant once the library is built and loaded, or None if it cannot be built here."""
-    return load_library("tokend_quant_matmul", _SOURCE, lambda: torch.ops.tokend_quant,
+    return load_library("tokend_quant_matmul", _SOURCES, lambda: torch.ops.tokend_quant,
                         "cpu_quant_kernel_unavailable", "dequantized")  # fmt: skip
 
 

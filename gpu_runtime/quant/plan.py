@@ -19,10 +19,12 @@ import structlog
 import torch
 from torch import nn
 
+from gpu_runtime.model.llama import RMSNorm
 from gpu_runtime.model.registry import Architecture
 from gpu_runtime.quant.blocks import BlockFormat, read_quantized_weights
 from gpu_runtime.quant.kernel import load_quant_kernel
 from gpu_runtime.quant.linear import QuantizedEmbedding, QuantizedLinear
+from gpu_runtime.quant.norm import KernelRMSNorm
 
 _LAYER_MODULE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -65,8 +67,8 @@ def can_serve_blocks(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def swap_modules(model: nn.Module, entry: Architecture, plan: QuantizedPlan, tied: bool) -> None:
-    """Replaces each module whose weight can be served in blocks (called under the meta device, before the model is
-    materialised, so that no float weight is ever allocated for it)."""
+    """Replaces each module whose weight can be served in blocks, and then each RMSNorm by the kernel's (called under
+    the meta device, before the model is materialised, so that no float weight is ever allocated for them)."""
     for name, module in list(model.named_modules()):
         if type(module) not in (nn.Linear, nn.Embedding):  # VocabParallelEmbedding, PackedLinear: not these
             continue
@@ -79,9 +81,17 @@ def swap_modules(model: nn.Module, entry: Architecture, plan: QuantizedPlan, tie
             replacement = QuantizedLinear(module.in_features, module.out_features, block, module.bias is not None)
         else:
             replacement = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, block)
-        parent, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attribute, replacement)
+        _replace(model, name, replacement)
         plan.served.update(pieces)
+    if plan.served:  # the norms between those matmuls too (torch's own stays on every float path)
+        for name, module in list(model.named_modules()):
+            if type(module) is RMSNorm:
+                _replace(model, name, KernelRMSNorm(module.weight.shape[0], module.eps))
+
+
+def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attribute, replacement)
 
 
 def _checkpoint_pieces(entry: Architecture, module_name: str, tied: bool) -> list[str]:

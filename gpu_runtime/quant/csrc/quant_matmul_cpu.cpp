@@ -367,7 +367,8 @@ Q16Rows quantize_activation16(const float* x, int64_t rows, int64_t k) {
 
 // How far ahead of the block being multiplied its weight row is prefetched. The rows are read in order, but one
 // core's hardware prefetcher alone left a batch-1 pass over SmolLM2's weights at 4.3 GB/s here (22.3 ms); 4 KB
-// ahead it takes 16.2-16.9 ms (2, 8 and 12 KB: 17-18 ms).
+// ahead it took 16.2-16.9 ms (2, 8 and 12 KB: 17-18 ms), and 13.5-14.1 ms with the grouped scales below (2 and
+// 8 KB: no better).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 // One block of 32 weights as w = d * (lo, hi) + offset: lo and hi hold the values 0..15 and 16..31 as int16.
@@ -378,24 +379,55 @@ struct Block16 {
 
 inline __m256i widen_u8(__m128i v) { return _mm256_cvtepu8_epi16(v); }
 
+inline bool is_simple(int64_t type) { return type == Q8_0 || type == Q4_0 || type == Q4_1; }
+
+inline int simple_block_bytes(int64_t type) { return type == Q8_0 ? 34 : (type == Q4_0 ? 18 : 20); }
+
+// A simple type's block `b` of a row, its values only (as int16, without d or m): Q8_0's bytes; Q4_0's nibbles - 8;
+// Q4_1's nibbles. Byte i of a 4-bit block holds value i (low nibble) and value i + 16 (high).
+inline void simple_values16(int64_t type, const uint8_t* row, int64_t b, __m256i& lo, __m256i& hi) {
+  const uint8_t* w = row + b * simple_block_bytes(type);
+  if (type == Q8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18)));
+    return;
+  }
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (type == Q4_0 ? 2 : 4)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = widen_u8(_mm_and_si128(raw, mask));
+  hi = widen_u8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+  if (type == Q4_0) {
+    lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+    hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+  }
+}
+
+// The scales of 8 consecutive simple blocks of a row, from one gather: each block starts with d (f16), and Q4_1's
+// with m after it, so one 32-bit load a block fetches both. Converting 8 at once, not one by one, is what makes
+// them vector work in the grouped loop below.
+inline void simple_scales8(int64_t type, const uint8_t* row, int64_t b, __m256& d, __m256& m) {
+  const int stride = simple_block_bytes(type);
+  const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  const __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(row + b * stride), offsets, 1);
+  const __m256i low = _mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF));
+  d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  if (type == Q4_1) {
+    const __m256i high = _mm256_srli_epi32(dm, 16);
+    m = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
+  } else {
+    m = _mm256_setzero_ps();
+  }
+}
+
 // The weight block `b` (of 32 values) of a row: the simple types' own block, or a k-quant super-block's 32.
 inline Block16 weight_block16(int64_t type, const uint8_t* row, int64_t b) {
-  if (type == Q8_0) {
-    const uint8_t* w = row + b * 34;
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18));
-    return {_mm256_cvtepi8_epi16(q0), _mm256_cvtepi8_epi16(q1), f16(w), 0.f};
-  }
-  if (type == Q4_0 || type == Q4_1) {  // byte i holds value i (low nibble) and value i + 16 (high)
-    const uint8_t* w = row + b * (type == Q4_0 ? 18 : 20);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (type == Q4_0 ? 2 : 4)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256i lo = widen_u8(_mm_and_si128(raw, mask)), hi = widen_u8(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-    if (type == Q4_0) {  // d * (n - 8)
-      const __m256i eight = _mm256_set1_epi16(8);
-      return {_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight), f16(w), 0.f};
-    }
-    return {lo, hi, f16(w), f16(w + 2)};  // d * n + m
+  if (is_simple(type)) {
+    Block16 block;
+    simple_values16(type, row, b, block.lo, block.hi);
+    const uint8_t* w = row + b * simple_block_bytes(type);
+    block.d = f16(w);
+    block.offset = type == Q4_1 ? f16(w + 2) : 0.f;  // Q4_1: d * n + m
+    return block;
   }
   if (type == Q4_K) {  // sub-block j of 8: the low nibbles of 32 bytes (j even) or their high ones (j odd)
     const uint8_t* w = row + (b / 8) * 144;
@@ -438,6 +470,48 @@ inline __m256i dot16(const Block16& w, __m256i x0, __m256i x1) {
 #endif
 }
 
+// One activation row against W weight rows of a simple type, 8 blocks a group: the 8 blocks' scales of each weight
+// row come from one gather, their products with x's 8 scales from one multiply, and Q4_1's min term from one FMA,
+// where the per-block loop does each of them block by block, as scalars (about half its instructions at batch 1).
+// Accumulates into acc and offset; returns the blocks done (the last nb % 8 are left to the per-block loop).
+template <int W>
+int64_t grouped_blocks(int64_t type, const uint8_t* w, int64_t row_bytes, const Q16Rows& a, int64_t r0, __m256 acc[W],
+                       float offset[W]) {
+  const int64_t nb = a.blocks, groups = nb / 8;
+  const int64_t first = r0 * nb;  // this activation row's first block
+  __m256 offsets[W];
+  for (int c = 0; c < W; ++c) offsets[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t b0 = g * 8;
+    const __m256 dx = _mm256_loadu_ps(a.d.data() + first + b0);
+    const __m256 sx = _mm256_loadu_ps(a.sum.data() + first + b0);
+    __m256 scale[W];
+    for (int c = 0; c < W; ++c) {
+      __m256 dw, mw;
+      simple_scales8(type, w + c * row_bytes, b0, dw, mw);
+      scale[c] = _mm256_mul_ps(dw, dx);
+      offsets[c] = _mm256_fmadd_ps(mw, sx, offsets[c]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = b0 + j;
+      const int16_t* x = a.q.data() + (first + b) * QK;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      const __m256i lane = _mm256_set1_epi32(j);
+      for (int c = 0; c < W; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * row_bytes + b * row_bytes / nb + PREFETCH_BYTES),
+                     _MM_HINT_T0);
+        Block16 block;
+        simple_values16(type, w + c * row_bytes, b, block.lo, block.hi);
+        const __m256 p = _mm256_cvtepi32_ps(dot16(block, x0, x1));
+        acc[c] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(scale[c], lane), p, acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < W; ++c) offset[c] += hsum(offsets[c]);
+  return groups * 8;
+}
+
 // R activation rows against W consecutive weight rows: each weight block widened once and met by all R rows, each
 // activation block loaded once and met by all W weight rows (at batch 1 the W rows are what amortises x's loads).
 template <int R, int W>
@@ -451,7 +525,11 @@ void dot_tile_int16(int64_t type, const uint8_t* w, int64_t row_bytes, const Q16
       offset[r][c] = 0.f;
     }
   const int64_t nb = a.blocks;
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+  if constexpr (R == 1) {
+    if (is_simple(type)) b = grouped_blocks<W>(type, w, row_bytes, a, r0, acc[0], offset[0]);
+  }
+  for (; b < nb; ++b) {
     Block16 block[W];
     for (int c = 0; c < W; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(w + c * row_bytes + b * row_bytes / nb + PREFETCH_BYTES),

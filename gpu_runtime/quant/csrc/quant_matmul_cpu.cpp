@@ -367,8 +367,8 @@ Q16Rows quantize_activation16(const float* x, int64_t rows, int64_t k) {
 
 // How far ahead of the block being multiplied its weight row is prefetched. The rows are read in order, but one
 // core's hardware prefetcher alone left a batch-1 pass over SmolLM2's weights at 4.3 GB/s here (22.3 ms); 4 KB
-// ahead it took 16.2-16.9 ms (2, 8 and 12 KB: 17-18 ms), and 13.5-14.1 ms with the grouped scales below (2 and
-// 8 KB: no better).
+// ahead it took 16.2-16.9 ms (2, 8 and 12 KB: 17-18 ms); with the grouped scales below, 12.4-12.8 ms (2 and 8 KB
+// measured no better).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 // One block of 32 weights as w = d * (lo, hi) + offset: lo and hi hold the values 0..15 and 16..31 as int16.
@@ -402,13 +402,14 @@ inline void simple_values16(int64_t type, const uint8_t* row, int64_t b, __m256i
   }
 }
 
-// The scales of 8 consecutive simple blocks of a row, from one gather: each block starts with d (f16), and Q4_1's
-// with m after it, so one 32-bit load a block fetches both. Converting 8 at once, not one by one, is what makes
+// The scales of up to 8 consecutive simple blocks of a row (the lanes set in `lanes`; the others 0), from one
+// gather: each block starts with d (f16), and Q4_1's with m after it, so one 32-bit load a block fetches both. Converting 8 at once, not one by one, is what makes
 // them vector work in the grouped loop below.
-inline void simple_scales8(int64_t type, const uint8_t* row, int64_t b, __m256& d, __m256& m) {
+inline void simple_scales8(int64_t type, const uint8_t* row, int64_t b, __m256i lanes, __m256& d, __m256& m) {
   const int stride = simple_block_bytes(type);
   const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-  const __m256i dm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(row + b * stride), offsets, 1);
+  const __m256i dm = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(row + b * stride),
+                                                 offsets, lanes, 1);
   const __m256i low = _mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF));
   d = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
   if (type == Q4_1) {
@@ -473,26 +474,27 @@ inline __m256i dot16(const Block16& w, __m256i x0, __m256i x1) {
 // One activation row against W weight rows of a simple type, 8 blocks a group: the 8 blocks' scales of each weight
 // row come from one gather, their products with x's 8 scales from one multiply, and Q4_1's min term from one FMA,
 // where the per-block loop does each of them block by block, as scalars (about half its instructions at batch 1).
-// Accumulates into acc and offset; returns the blocks done (the last nb % 8 are left to the per-block loop).
+// Accumulates into acc and offset; the last group may be short (a 576-wide row is 18 blocks: 8, 8 and 2).
 template <int W>
-int64_t grouped_blocks(int64_t type, const uint8_t* w, int64_t row_bytes, const Q16Rows& a, int64_t r0, __m256 acc[W],
-                       float offset[W]) {
-  const int64_t nb = a.blocks, groups = nb / 8;
+void grouped_blocks(int64_t type, const uint8_t* w, int64_t row_bytes, const Q16Rows& a, int64_t r0, __m256 acc[W],
+                    float offset[W]) {
+  const int64_t nb = a.blocks;
   const int64_t first = r0 * nb;  // this activation row's first block
   __m256 offsets[W];
   for (int c = 0; c < W; ++c) offsets[c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t b0 = g * 8;
-    const __m256 dx = _mm256_loadu_ps(a.d.data() + first + b0);
-    const __m256 sx = _mm256_loadu_ps(a.sum.data() + first + b0);
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 dx = _mm256_maskload_ps(a.d.data() + first + b0, lanes);
+    const __m256 sx = _mm256_maskload_ps(a.sum.data() + first + b0, lanes);
     __m256 scale[W];
     for (int c = 0; c < W; ++c) {
       __m256 dw, mw;
-      simple_scales8(type, w + c * row_bytes, b0, dw, mw);
+      simple_scales8(type, w + c * row_bytes, b0, lanes, dw, mw);
       scale[c] = _mm256_mul_ps(dw, dx);
       offsets[c] = _mm256_fmadd_ps(mw, sx, offsets[c]);
     }
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < count; ++j) {
       const int64_t b = b0 + j;
       const int16_t* x = a.q.data() + (first + b) * QK;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -509,7 +511,6 @@ int64_t grouped_blocks(int64_t type, const uint8_t* w, int64_t row_bytes, const 
     }
   }
   for (int c = 0; c < W; ++c) offset[c] += hsum(offsets[c]);
-  return groups * 8;
 }
 
 // R activation rows against W consecutive weight rows: each weight block widened once and met by all R rows, each
@@ -525,9 +526,12 @@ void dot_tile_int16(int64_t type, const uint8_t* w, int64_t row_bytes, const Q16
       offset[r][c] = 0.f;
     }
   const int64_t nb = a.blocks;
-  int64_t b = 0;
+  int64_t b = 0;  // the blocks before b are done
   if constexpr (R == 1) {
-    if (is_simple(type)) b = grouped_blocks<W>(type, w, row_bytes, a, r0, acc[0], offset[0]);
+    if (is_simple(type)) {
+      grouped_blocks<W>(type, w, row_bytes, a, r0, acc[0], offset[0]);
+      b = nb;
+    }
   }
   for (; b < nb; ++b) {
     Block16 block[W];

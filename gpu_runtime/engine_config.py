@@ -125,7 +125,7 @@ class EngineConfig(SchedulerConfig, frozen=True, kw_only=True, forbid_unknown_fi
         _doc(
             "GGUF weights: auto (the default) serves the blocks the file holds (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as "
             "they are, multiplied in place by the CPU kernel where it can (a CPU in float32, one rank; elsewhere "
-            "dequantized at load): a seventh of the memory, batch-1 decode ~3x faster (docs/BENCHMARKS.md); none "
+            "dequantized at load): a seventh of the memory, batch-1 decode ~4x faster (docs/BENCHMARKS.md); none "
             "dequantizes them to float32 at conversion (the path transformers' outputs are checked against)"
         ),
     ] = "auto"

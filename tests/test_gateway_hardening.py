@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 import httpx
+import msgspec
 import pytest
 from daemon_harness import ROOT, Daemon, free_port
+from harness.local_daemon import START_ATTEMPTS, PortTaken
 
 from frontend.gateway.calls import sse_event
 from frontend.gateway.errors import from_grpc
@@ -71,6 +73,21 @@ class LoneGateway:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LoneGateway:
+        """Starts the gateway and waits until it answers. A port picked free can be taken before the gateway binds it
+        (the picks come from the ephemeral range, which every outgoing connection draws on too): then it starts
+        again on another, as tests/harness/local_daemon.py's daemons do."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start()
+                return self
+            except PortTaken:
+                if attempt == START_ATTEMPTS:
+                    raise
+                self.spec = msgspec.structs.replace(self.spec, http_port=free_port())
+                self.url = f"http://127.0.0.1:{self.spec.http_port}"
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
         command = [sys.executable, "-c", GATEWAY_WITH_FAULTS, self.spec.to_json()]
         with self.log_path.open("wb") as log:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -79,9 +96,11 @@ class LoneGateway:
         while not self._answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
-                raise RuntimeError(f"the gateway did not start:\n{self.log_path.read_text()}")
+                log = self.log_path.read_text()
+                if "Address already in use" in log:
+                    raise PortTaken(log)
+                raise RuntimeError(f"the gateway did not start:\n{log}")
             time.sleep(0.1)
-        return self
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()

@@ -1,11 +1,15 @@
 // y = x @ W.T with W kept in its GGUF blocks (one uint8 row of blocks per output feature), on the CPU.
 //
-// Decode batches (few rows of x): x is quantized to 8 bits per 32 values (llama.cpp's q8_1: a float scale and the
-// block's integer sum, which Q4_1's and Q4_K's min terms and Q4_0's -8 offset need), then every weight block is
-// dotted in integers with AVX2 (maddubs: unsigned x signed bytes into 16-bit pairs; madd: pairs into 32-bit
-// lanes) and scaled once per block. The float-activation variant dequantizes each weight block into registers
-// (AVX2 for the 32-value types; a row at a time into L1 for the k-quants and CPUs without AVX2) and multiplies
-// float x: exact up to summation order. Threads split the output rows (at::parallel_for).
+// Decode batches (few rows of x), by `activation_bits` (gpu_runtime/quant/linear.py chooses):
+// - 16, the default for 1-7 rows: x rounded to int16 per 32 values, each weight block widened to int16 and
+//   dotted with AVX2 madd (VNNI dpwssd where the CPU has it), scaled once per block; at batch 1 the scales of 8
+//   blocks at a time come from one gather (grouped_blocks). Each value of x is off by at most amax/65534.
+// - 32, from 8 rows: each weight block dequantized into registers (AVX2 for the 32-value types; a row at a time
+//   into L1 for the k-quants and CPUs without AVX2) and multiplied into float x: exact up to summation order.
+// - 8, for the benchmark's comparison only: llama.cpp's q8_1 (a float scale and the block's integer sum, which
+//   Q4_1's and Q4_K's min terms and Q4_0's -8 offset need; maddubs into 16-bit pairs, madd into 32-bit lanes).
+//   SmolLM2's activation outliers cost it the 99% top-1 agreement the float path has.
+// Threads split the output rows (at::parallel_for).
 // Larger batches (prefill): `dequantize` gives W as float32 for oneDNN's GEMM (gpu_runtime/quant/linear.py);
 // `matmul_tiled` (a tile of W at a time through at::mm) is kept for the benchmark's comparison.
 //

@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 from daemon_harness import ROOT, Daemon, free_port
-from harness.local_daemon import START_ATTEMPTS, PortTaken
+from harness.local_daemon import PortTaken, start_on_free_ports
 
 from frontend.gateway.calls import sse_event
 from frontend.gateway.errors import from_grpc
@@ -73,19 +73,14 @@ class LoneGateway:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> LoneGateway:
-        """Starts the gateway and waits until it answers. A port picked free can be taken before the gateway binds it
-        (the picks come from the ephemeral range, which every outgoing connection draws on too): then it starts
-        again on another, as tests/harness/local_daemon.py's daemons do."""
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                self._start()
-                return self
-            except PortTaken:
-                if attempt == START_ATTEMPTS:
-                    raise
-                self.spec = msgspec.structs.replace(self.spec, http_port=free_port())
-                self.url = f"http://127.0.0.1:{self.spec.http_port}"
-        raise AssertionError("unreachable")
+        """Starts the gateway and waits until it answers; where its port was taken before it bound it, again on
+        another (tests/harness/local_daemon.py)."""
+        start_on_free_ports(self._start, self._pick_new_port)
+        return self
+
+    def _pick_new_port(self) -> None:
+        self.spec = msgspec.structs.replace(self.spec, http_port=free_port())
+        self.url = f"http://127.0.0.1:{self.spec.http_port}"
 
     def _start(self) -> None:
         command = [sys.executable, "-c", GATEWAY_WITH_FAULTS, self.spec.to_json()]

@@ -17,6 +17,7 @@ import tempfile
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -48,6 +49,20 @@ START_ATTEMPTS = 3
 
 class PortTaken(RuntimeError):
     """The daemon could not listen on a port picked for it: another process took it meanwhile."""
+
+
+def start_on_free_ports(start: Callable[[], None], pick_new_ports: Callable[[], None]) -> None:
+    """Runs `start` until it does not raise PortTaken, picking new ports in between, at most START_ATTEMPTS times. A
+    port picked free can be taken before the process binds it: the picks come from the ephemeral range, which every
+    outgoing connection draws on too."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            start()
+            return
+        except PortTaken:
+            if attempt == START_ATTEMPTS:
+                raise
+            pick_new_ports()
 
 
 def free_port() -> int:
@@ -148,18 +163,13 @@ class LocalDaemon:
         return f"http://{self.host}:{self.http_port}"
 
     def __enter__(self) -> LocalDaemon:
-        """Starts the daemon and waits until it serves. A port picked free can be taken before the daemon binds it
-        (by any process's outgoing connection: the picks come from the ephemeral range): the daemon then exits 78
-        naming it, and it starts again on new ports, up to START_ATTEMPTS times."""
-        for attempt in range(1, START_ATTEMPTS + 1):
-            try:
-                self._start()
-                return self
-            except PortTaken:
-                if attempt == START_ATTEMPTS:
-                    raise
-                self.grpc_port, self.metrics_port, self.http_port = free_ports(3)
-        raise AssertionError("unreachable")
+        """Starts the daemon and waits until it serves; where a port was taken before the daemon bound it (it exits
+        78 naming it), again on new ports."""
+        start_on_free_ports(self._start, self._pick_new_ports)
+        return self
+
+    def _pick_new_ports(self) -> None:
+        self.grpc_port, self.metrics_port, self.http_port = free_ports(3)
 
     def _start(self) -> None:
         command = [

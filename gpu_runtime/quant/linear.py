@@ -14,9 +14,9 @@ from gpu_runtime.quant.kernel import load_quant_kernel
 MAX_DECODE_ROWS = 16
 # The decode path rounds each 32 values of x to this many bits before the integer dot products: 16 (int16 x int16
 # pairs, each value off by at most amax/65534: SmolLM2's teacher-forced top-1 equals the float path's) or 32 (x kept
-# in float32, each weight block converted to floats: exact up to summation order, and slower). 8 is llama.cpp's way
-# (q8_1), kept for the benchmark's comparison: SmolLM2's activation outliers crush a block's other values and top-1
-# agreement falls to ~98% (docs/BENCHMARKS.md).
+# in float32, each weight block converted to floats: exact up to summation order, and slower). llama.cpp's 8 bits
+# (q8_1) were measured and dropped: SmolLM2's activation outliers crush a block's other values and top-1 agreement
+# falls to 97-98% (docs/BENCHMARKS.md).
 DECODE_ACTIVATION_BITS = 16
 # From this many rows x stays float32 whatever the setting above: there the float path (each weight block converted
 # once for eight rows) is the faster. A decode pass over SmolLM2's weights, one thread, rows 1/4/8/16: 16 bits

@@ -4,11 +4,10 @@
 // - 16, the default for 1-7 rows: x rounded to int16 per 32 values, each weight block widened to int16 and
 //   dotted with AVX2 madd (VNNI dpwssd where the CPU has it), scaled once per block; at batch 1 the scales of 8
 //   blocks at a time come from one gather (grouped_blocks). Each value of x is off by at most amax/65534.
+//   (llama.cpp's int8 x, q8_1, was measured here too and removed: SmolLM2's activation outliers cost it the 99%
+//   top-1 agreement the float path has, at the int16 path's speed: docs/BENCHMARKS.md.)
 // - 32, from 8 rows: each weight block dequantized into registers (AVX2 for the 32-value types; a row at a time
 //   into L1 for the k-quants and CPUs without AVX2) and multiplied into float x: exact up to summation order.
-// - 8, for the benchmark's comparison only: llama.cpp's q8_1 (a float scale and the block's integer sum, which
-//   Q4_1's and Q4_K's min terms and Q4_0's -8 offset need; maddubs into 16-bit pairs, madd into 32-bit lanes).
-//   SmolLM2's activation outliers cost it the 99% top-1 agreement the float path has.
 // Threads split the output rows (at::parallel_for).
 // Larger batches (prefill): `dequantize` gives W as float32 for oneDNN's GEMM (gpu_runtime/quant/linear.py);
 // `matmul_tiled` (a tile of W at a time through at::mm) is kept for the benchmark's comparison.
@@ -132,38 +131,6 @@ void dequantize_row(int64_t type, const uint8_t* row, float* out, int64_t k) {
   }
 }
 
-// ---- the activation quantized to 8 bits per 32 values (q8_1) ----
-
-struct Q8Rows {
-  int64_t rows, blocks;
-  std::vector<int8_t> q;    // [rows][blocks * 32]
-  std::vector<float> d;     // [rows][blocks]
-  std::vector<float> dsum;  // d x the block's integer sum: [rows][blocks]
-};
-
-Q8Rows quantize_activation(const float* x, int64_t rows, int64_t k) {
-  Q8Rows a{rows, k / QK, std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / QK)),
-           std::vector<float>(rows * (k / QK))};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const float* v = x + r * k + b * QK;
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = a.q.data() + r * k + b * QK;
-      int sum = 0;
-      for (int i = 0; i < QK; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
-        sum += q[i];
-      }
-      a.d[r * a.blocks + b] = d;
-      a.dsum[r * a.blocks + b] = d * sum;
-    }
-  }
-  return a;
-}
-
 #ifdef TOKEND_QUANT_AVX2
 
 inline float hsum(__m256 v) {
@@ -172,111 +139,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-// 32 nibbles of 16 bytes as 32 unsigned bytes: the low nibbles first (values 0..15), then the high ones.
-inline __m256i unpack_nibbles16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-}
-
-// Sum over the 32 byte products of unsigned `u` and signed `s`, as 8 int32 lanes converted to float.
-inline __m256 dot_u8_s8(__m256i u, __m256i s) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// R activation rows against one weight row: the weight block is unpacked once for all R rows.
-template <int R>
-void dot_rows_int8(int64_t type, const uint8_t* w, const Q8Rows& a, int64_t r0, int64_t k, float* out,
-                   int64_t out_stride) {
-  __m256 acc[R];
-  float offset[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    offset[r] = 0.f;
-  }
-  const int64_t nb = a.blocks;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xs[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q.data() + (r0 + r) * k;
-    xd[r] = a.d.data() + (r0 + r) * nb;
-    xs[r] = a.dsum.data() + (r0 + r) * nb;
-  }
-  if (type == Q8_0) {
-    for (int64_t b = 0; b < nb; ++b, w += 34) {
-      const float d = f16(w);
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-      const __m256i absq = _mm256_sign_epi8(q, q);  // maddubs needs one unsigned side: |w| and sign(w) * x
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), dot_u8_s8(absq, _mm256_sign_epi8(x, q)), acc[r]);
-      }
-    }
-  } else if (type == Q4_0 || type == Q4_1) {
-    // Q4_0 is d * (n - 8): the nibbles stay unsigned and the -8 becomes -8 d * sum(x); Q4_1's min adds m * sum(x).
-    const int stride = type == Q4_0 ? 18 : 20;
-    const int qs = type == Q4_0 ? 2 : 4;
-    for (int64_t b = 0; b < nb; ++b, w += stride) {
-      const float d = f16(w);
-      const float m = type == Q4_0 ? -8.f * d : f16(w + 2);
-      const __m256i n = unpack_nibbles16(w + qs);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), dot_u8_s8(n, x), acc[r]);
-        offset[r] += m * xs[r][b];
-      }
-    }
-  } else if (type == Q4_K) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int64_t sb = 0; sb < nb / 8; ++sb, w += 144) {
-      const float d = f16(w), dmin = f16(w + 2);
-      for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        k4_scale_min(w + 4, j, sc, mn);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + (j / 2) * 32));
-        const __m256i n = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask) : _mm256_and_si256(raw, mask);
-        const int64_t b = sb * 8 + j;
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sc * xd[r][b]), dot_u8_s8(n, x), acc[r]);
-          offset[r] -= dmin * mn * xs[r][b];
-        }
-      }
-    }
-  } else {  // Q6_K
-    const __m256i mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
-    for (int64_t sb = 0; sb < nb / 8; ++sb, w += 210) {
-      const float d = f16(w + 208);
-      const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
-      for (int half = 0; half < 2; ++half) {
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + half * 64));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + half * 64 + 32));
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + half * 32));
-        for (int s = 0; s < 4; ++s) {
-          const __m256i lo_src = (s & 1) ? l1 : l0;
-          const __m256i lo = s < 2 ? _mm256_and_si256(lo_src, mask) : _mm256_and_si256(_mm256_srli_epi16(lo_src, 4), mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * s)), three);
-          const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63, the value + 32
-          const int idx = half * 8 + s * 2;  // the scale of this 32's first 16 values; idx + 1 the second's
-          const __m256i sc16 = _mm256_set_m128i(_mm_set1_epi16(scales[idx + 1]), _mm_set1_epi16(scales[idx]));
-          const int64_t b = sb * 8 + half * 4 + s;
-          for (int r = 0; r < R; ++r) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-            // (q - 32) . x per 16-value group, times its scale: in 16 bits, then 32.
-            const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(m32, x));
-            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, sc16));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), p, acc[r]);
-          }
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + offset[r];
-}
-
 
 // The float-activation path for the 32-value types: each weight block dequantized into four registers (the same
 // float32 values as dequantize_row's), then multiplied into R float rows of x. No rounding of x, so the result is
@@ -626,10 +488,12 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t type, int64_t k) {
   return out;
 }
 
-// Decode: x [M, k] float32 times W.T, M small. int8_activations: the q8_1 integer path (AVX2), else float.
+// Decode: x [M, k] float32 times W.T, M small; x rounded to int16 (activation_bits 16, AVX2) or kept float (32).
 at::Tensor quant_matmul_decode(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t k,
                                int64_t activation_bits) {
   check_inputs(x, w, type, k);
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 32, "tokend quant: activation_bits must be 16 or 32, not ",
+              activation_bits);
   const int64_t m = x.size(0), n = w.size(0), row_bytes = w.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -647,24 +511,6 @@ at::Tensor quant_matmul_decode(const at::Tensor& x, const at::Tensor& w, int64_t
     });
     return out;
   }
-  if (activation_bits == 8) {
-    const Q8Rows a = quantize_activation(xp, m, k);
-    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const uint8_t* row = wp + i * row_bytes;
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4) dot_rows_int8<4>(type, row, a, r, k, yp + r * n + i, n);
-        switch (m - r) {
-          case 3: dot_rows_int8<3>(type, row, a, r, k, yp + r * n + i, n); break;
-          case 2: dot_rows_int8<2>(type, row, a, r, k, yp + r * n + i, n); break;
-          case 1: dot_rows_int8<1>(type, row, a, r, k, yp + r * n + i, n); break;
-        }
-      }
-    });
-    return out;
-  }
-#endif
-#ifdef TOKEND_QUANT_AVX2
   if (type == Q8_0 || type == Q4_0 || type == Q4_1) {
     at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
